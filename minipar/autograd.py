@@ -1,0 +1,209 @@
+"""Reverse-mode automatic differentiation.
+
+A :class:`Tensor` wraps an xp array. Every differentiable operation is a :class:`Function` with two
+static methods, in the style of micrograd/minitorch:
+
+    forward(ctx, *inputs)  -> output array     (inputs arrive as raw arrays, never Tensors)
+    backward(ctx, grad)    -> one gradient per positional input (None where there is none)
+
+``Function.apply`` records the call in a graph: the output remembers its ``ctx`` and input Tensors.
+``loss.backward()`` sorts that graph topologically (depth-first, inputs in argument order, so the
+order is the same on every rank and every run) and walks it from the loss back to the leaves,
+applying the chain rule  dL/dx = sum over consumers y of backward_y(dL/dy).
+
+Because a node is visited only after every node that consumes it, a leaf's gradient is *final*
+the moment the walk reaches it. That is when its hooks fire (:meth:`Tensor.register_hook`):
+data-parallel buckets and ZeRO reduce-scatters start communicating there, while the walk goes on
+computing the gradients of earlier layers.
+
+Gradients handed between nodes are never modified in place (one array may feed several inputs);
+the ``.grad`` stored on a leaf is always an array the leaf owns, so optimizers and hooks may
+update it in place.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+from minipar.backend import to_host, xp
+
+_grad_enabled = True
+
+
+@contextlib.contextmanager
+def no_grad() -> Iterator[None]:
+    """Run operations without recording a graph (evaluation, optimizer updates, generation)."""
+    global _grad_enabled
+    previous, _grad_enabled = _grad_enabled, False
+    try:
+        yield
+    finally:
+        _grad_enabled = previous
+
+
+def is_grad_enabled() -> bool:
+    return _grad_enabled
+
+
+class Context:
+    """Scratch space a Function's forward leaves for its backward."""
+
+    needs_input_grad: tuple[bool, ...]
+
+    def save_for_backward(self, *arrays: Any) -> None:
+        self.saved = arrays
+
+
+class Tensor:
+    """An xp array plus what autograd needs: ``grad``, ``requires_grad`` and the producing node."""
+
+    __array_priority__ = 1000  # numpy_array * Tensor -> Tensor.__rmul__, not an object array
+
+    def __init__(self, data: Any, requires_grad: bool = False):
+        self.data = data
+        self.requires_grad = requires_grad
+        self.grad: Any = None
+        self._ctx: Context | None = None  # set by Function.apply on non-leaf tensors
+        self._hooks: list[Callable[[Tensor], None]] = []
+
+    # ---- array-like facts ----
+    shape = property(lambda self: self.data.shape)
+    dtype = property(lambda self: self.data.dtype)
+    ndim = property(lambda self: self.data.ndim)
+    size = property(lambda self: self.data.size)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __repr__(self) -> str:
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return f"Tensor(shape={tuple(self.shape)}, dtype={self.dtype}{grad})"
+
+    def numpy(self) -> Any:
+        return to_host(self.data)
+
+    def item(self) -> float:
+        return float(to_host(self.data))
+
+    def detach(self) -> Tensor:
+        return Tensor(self.data)
+
+    @property
+    def is_leaf(self) -> bool:
+        return self._ctx is None
+
+    # ---- gradients ----
+    def register_hook(self, hook: Callable[[Tensor], None]) -> None:
+        """Call ``hook(tensor)`` whenever backward has finished accumulating this leaf's ``grad``."""
+        self._hooks.append(hook)
+
+    def zero_grad(self) -> None:
+        self.grad = None
+
+    def backward(self, grad: Any = None) -> None:
+        """Accumulate d(self)/d(leaf) into every leaf's ``.grad`` (the graph is freed as it goes)."""
+        if grad is None:
+            if self.size != 1:
+                raise RuntimeError(f"backward() without a gradient needs a scalar, got shape {self.shape}")
+            grad = xp.ones_like(self.data)
+        grads: dict[int, Any] = {id(self): grad}
+        for node in _reverse_topological_order(self):
+            g = grads.pop(id(node), None)
+            if g is None:
+                continue
+            ctx = node._ctx
+            if ctx is None:
+                node._accumulate(g)
+                continue
+            node._ctx = None  # free saved activations as soon as they are used
+            input_grads = ctx.fn.backward(ctx, g)
+            if not isinstance(input_grads, tuple):
+                input_grads = (input_grads,)
+            for inp, ig in zip(ctx.inputs, input_grads):
+                if ig is None or not isinstance(inp, Tensor) or not inp.requires_grad:
+                    continue
+                if ig is g and inp._ctx is None:
+                    ig = ig.copy()  # a pass-through gradient handed to a leaf: give it its own array
+                key = id(inp)
+                grads[key] = ig if key not in grads else grads[key] + ig
+
+    def _accumulate(self, g: Any) -> None:
+        if self.grad is None:
+            self.grad = g.copy() if g.base is not None else g  # a view would alias another gradient
+        else:
+            self.grad += g
+        for hook in self._hooks:
+            hook(self)
+
+    # ---- operators (defined in minipar.ops) ----
+    def __add__(self, other): return _ops.add(self, other)
+    def __radd__(self, other): return _ops.add(other, self)
+    def __sub__(self, other): return _ops.sub(self, other)
+    def __rsub__(self, other): return _ops.sub(other, self)
+    def __mul__(self, other): return _ops.mul(self, other)
+    def __rmul__(self, other): return _ops.mul(other, self)
+    def __truediv__(self, other): return _ops.div(self, other)
+    def __rtruediv__(self, other): return _ops.div(other, self)
+    def __neg__(self): return _ops.neg(self)
+    def __pow__(self, exponent: float): return _ops.pow(self, exponent)
+    def __matmul__(self, other): return _ops.matmul(self, other)
+    def __rmatmul__(self, other): return _ops.matmul(other, self)
+    def __getitem__(self, index): return _ops.getitem(self, index)
+
+    def sum(self, axis=None, keepdims: bool = False): return _ops.sum(self, axis, keepdims)
+    def mean(self, axis=None, keepdims: bool = False): return _ops.mean(self, axis, keepdims)
+    def reshape(self, *shape): return _ops.reshape(self, shape[0] if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else shape)
+    def transpose(self, *axes): return _ops.transpose(self, axes or None)
+    T = property(lambda self: _ops.transpose(self, None))
+    def exp(self): return _ops.exp(self)
+    def log(self): return _ops.log(self)
+    def tanh(self): return _ops.tanh(self)
+    def softmax(self, axis: int = -1): return _ops.softmax(self, axis)
+
+
+class Function:
+    """Base class of differentiable operations; subclasses define ``forward`` and ``backward``."""
+
+    @staticmethod
+    def forward(ctx: Context, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def backward(ctx: Context, grad: Any) -> Any:
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, *args: Any, **kwargs: Any) -> Tensor:
+        ctx = Context()
+        ctx.needs_input_grad = tuple(isinstance(a, Tensor) and a.requires_grad and _grad_enabled for a in args)
+        raw = [a.data if isinstance(a, Tensor) else a for a in args]
+        out = Tensor(cls.forward(ctx, *raw, **kwargs))
+        if any(ctx.needs_input_grad):
+            ctx.fn, ctx.inputs = cls, args
+            out.requires_grad, out._ctx = True, ctx
+        return out
+
+
+def _reverse_topological_order(root: Tensor) -> list[Tensor]:
+    """Tensors reachable from ``root`` (that need a gradient), every consumer before its inputs."""
+    post_order: list[Tensor] = []
+    expanded: set[int] = set()
+    stack: list[tuple[Tensor, bool]] = [(root, False)]
+    while stack:
+        node, inputs_done = stack.pop()
+        if inputs_done:
+            post_order.append(node)
+            continue
+        if id(node) in expanded:
+            continue
+        expanded.add(id(node))
+        stack.append((node, True))
+        if node._ctx is not None:
+            for inp in reversed(node._ctx.inputs):
+                if isinstance(inp, Tensor) and inp.requires_grad and id(inp) not in expanded:
+                    stack.append((inp, False))
+    post_order.reverse()
+    return post_order
+
+
+from minipar import ops as _ops  # noqa: E402  (operators above call into it; it imports this module)

@@ -1,0 +1,164 @@
+"""Tokens and batches.
+
+* Byte-level tokenizer: token = byte (vocab 256), so any text file is data, with no files to fetch.
+* GPT-2's byte-pair tokenizer, for checkpoints that ship ``vocab.json`` + ``merges.txt``.
+* The default corpus is this Python's own standard library source (the top-level ``*.py`` files,
+  a few MB of real code), read at run time: present on every machine, nothing to download.
+* Batches are a pure function of (seed, step): the global batch at step s is the same whatever
+  the number of ranks, and data-parallel rank r takes rows [r·B/dp, (r+1)·B/dp). That is what
+  makes "parallel training = single-process training" testable to the last bit.
+"""
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import re
+import sysconfig
+
+import numpy as np
+
+
+# ------------------------------------------------------------------------------------ tokenizers
+
+
+class ByteTokenizer:
+    vocab_size = 256
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from bytes to printable unicode characters (spaces become 'Ġ', ...)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+# GPT-2's pre-tokenizer, with Python's re: [^\W\d_] = letters, \d = digits.
+_PRETOKEN = re.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?[^\s\w]+|\s+(?!\S)|\s+""")
+
+
+class BPETokenizer:
+    """GPT-2 byte-pair encoding: split into words, map bytes to symbols, merge the best-ranked pair until none applies."""
+
+    def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]]):
+        self.encoder = vocab
+        self.decoder = {i: s for s, i in vocab.items()}
+        self.ranks = {pair: i for i, pair in enumerate(merges)}
+        self.vocab_size = len(vocab)
+        self.byte_chars = _byte_to_unicode()
+        self.char_bytes = {c: b for b, c in self.byte_chars.items()}
+
+    @classmethod
+    def from_dir(cls, directory: str) -> BPETokenizer:
+        with open(os.path.join(directory, "vocab.json"), encoding="utf-8") as f:
+            vocab = json.load(f)
+        with open(os.path.join(directory, "merges.txt"), encoding="utf-8") as f:
+            lines = [ln for ln in f.read().split("\n") if ln and not ln.startswith("#version")]
+        return cls(vocab, [tuple(ln.split(" ")) for ln in lines])
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019 (one tokenizer per process)
+    def _bpe(self, word: str) -> tuple[str, ...]:
+        parts = list(word)
+        while len(parts) > 1:
+            pairs = [(self.ranks.get(p, float("inf")), i) for i, p in enumerate(zip(parts, parts[1:]))]
+            rank, i = min(pairs)
+            if rank == float("inf"):
+                break
+            parts[i:i + 2] = [parts[i] + parts[i + 1]]
+        return tuple(parts)
+
+    def encode(self, text: str) -> np.ndarray:
+        ids = []
+        for word in _PRETOKEN.findall(text):
+            symbols = "".join(self.byte_chars[b] for b in word.encode("utf-8"))
+            ids.extend(self.encoder[s] for s in self._bpe(symbols))
+        return np.array(ids, dtype=np.int64)
+
+    def decode(self, ids) -> str:
+        text = "".join(self.decoder[int(i)] for i in ids)
+        return bytes(self.char_bytes[c] for c in text).decode("utf-8", errors="replace")
+
+
+def tokenizer_for(directory: str | None, vocab_size: int):
+    """The checkpoint's own BPE tokenizer when it ships one, else bytes (which need vocab_size >= 256)."""
+    if directory and os.path.isfile(os.path.join(directory, "vocab.json")) and os.path.isfile(os.path.join(directory, "merges.txt")):
+        return BPETokenizer.from_dir(directory)
+    if vocab_size < 256:
+        raise ValueError(f"vocab_size {vocab_size} < 256 cannot hold byte tokens and no vocab.json/merges.txt was found")
+    return ByteTokenizer()
+
+
+# ----------------------------------------------------------------------------------------- corpus
+
+
+def default_corpus() -> bytes:
+    """The top-level ``*.py`` files of this Python's standard library, sorted by name and concatenated."""
+    stdlib = sysconfig.get_paths()["stdlib"]
+    files = sorted(glob.glob(os.path.join(stdlib, "*.py")))
+    if not files:
+        raise FileNotFoundError(f"no standard-library sources under {stdlib}; pass --data PATH")
+    chunks = []
+    for path in files:
+        with open(path, "rb") as f:
+            chunks.append(f.read())
+    return b"\n".join(chunks)
+
+
+def load_tokens(path: str | None = None) -> np.ndarray:
+    """Byte tokens of ``path`` (any file), or of the default corpus when ``path`` is None."""
+    if path is None:
+        raw = default_corpus()
+    else:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"data file not found: {path}")
+        with open(path, "rb") as f:
+            raw = f.read()
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+class Batches:
+    """Random windows of a token array: ``batches(step)`` -> (x, y), each int64 (batch_size, block_size).
+
+    y is x shifted by one token. Offsets come from ``default_rng((seed, step))``, so a step's batch
+    never depends on what ran before it (resuming and re-sharding give the same data).
+    """
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int = 0):
+        if len(tokens) < block_size + 2:
+            raise ValueError(f"data has {len(tokens)} tokens; block_size {block_size} needs at least {block_size + 2}")
+        self.tokens, self.batch_size, self.block_size, self.seed = tokens, batch_size, block_size, seed
+
+    def __call__(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng((self.seed, step))
+        starts = rng.integers(0, len(self.tokens) - self.block_size - 1, size=self.batch_size)
+        window = starts[:, None] + np.arange(self.block_size + 1)
+        chunk = self.tokens[window].astype(np.int64)
+        return chunk[:, :-1], chunk[:, 1:]
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation): the last ``val_fraction`` of the tokens is held out."""
+    cut = int(len(tokens) * (1 - val_fraction))
+    return tokens[:cut], tokens[cut:]
+
+
+def shard_rows(x: np.ndarray, rank: int, world: int) -> np.ndarray:
+    """Rows [rank·B/world, (rank+1)·B/world) of a global batch (B must divide evenly)."""
+    if len(x) % world:
+        raise ValueError(f"global batch {len(x)} is not divisible by {world} data-parallel ranks")
+    n = len(x) // world
+    return x[rank * n:(rank + 1) * n]

@@ -1,0 +1,133 @@
+"""Modules: named trees of parameters, in the PyTorch style.
+
+A :class:`Module`'s parameters are the :class:`Parameter` attributes it holds, then those of its
+sub-modules, in the order they were assigned; names are dotted paths (``transformer.h.0.ln_1.weight``).
+A parameter reachable twice (a tied embedding) is listed once, under its first name.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import numpy as np
+
+from minipar import ops
+from minipar.autograd import Tensor
+from minipar.backend import resolve_dtype, to_device, to_host, xp
+
+
+class Parameter(Tensor):
+    """A leaf Tensor that an optimizer updates."""
+
+    def __init__(self, data: Any):
+        super().__init__(data, requires_grad=True)
+
+
+class Module:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError
+
+    def named_children(self) -> Iterator[tuple[str, Module]]:
+        for name, value in vars(self).items():
+            if isinstance(value, Module):
+                yield name, value
+
+    def named_parameters(self, prefix: str = "") -> Iterator[tuple[str, Parameter]]:
+        seen: set[int] = set()
+        for name, p in self._all_parameters(prefix):
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield name, p
+
+    def _all_parameters(self, prefix: str) -> Iterator[tuple[str, Parameter]]:
+        for name, value in vars(self).items():
+            if isinstance(value, Parameter):
+                yield prefix + name, value
+            elif isinstance(value, Module):
+                yield from value._all_parameters(f"{prefix}{name}.")
+
+    def parameters(self) -> list[Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def modules(self) -> Iterator[Module]:
+        yield self
+        for _, child in self.named_children():
+            yield from child.modules()
+
+    def zero_grad(self) -> None:
+        for p in self.parameters():
+            p.grad = None
+
+    def num_parameters(self) -> int:
+        return sum(p.size for p in self.parameters())
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Host (numpy) copies of every parameter, by name."""
+        return {name: to_host(p.data).copy() for name, p in self.named_parameters()}
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Copy arrays into the parameters of the same name, checking names, shapes and casting dtypes."""
+        params = dict(self.named_parameters())
+        missing = sorted(set(params) - set(state))
+        unexpected = sorted(set(state) - set(params))
+        if strict and (missing or unexpected):
+            raise KeyError(f"state_dict mismatch: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                           f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+        for name, p in params.items():
+            if name not in state:
+                continue
+            value = state[name]
+            if tuple(value.shape) != tuple(p.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {tuple(p.shape)}")
+            p.data = to_device(value, dtype=p.dtype)
+
+
+class ModuleList(Module):
+    """A list of modules named ``0``, ``1``, ... (GPT-2's ``h.{i}``)."""
+
+    def __init__(self, modules: list[Module]):
+        for i, m in enumerate(modules):
+            setattr(self, str(i), m)
+        self._length = len(modules)
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __iter__(self) -> Iterator[Module]:
+        return (getattr(self, str(i)) for i in range(self._length))
+
+    def __getitem__(self, i: int) -> Module:
+        return getattr(self, str(range(self._length)[i]))
+
+
+class Linear(Module):
+    """y = x W + b, W of shape (in, out) as in GPT-2's Conv1D (zero-initialized; the model initializes)."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool = True, dtype: str = "float32"):
+        dt = resolve_dtype(dtype)
+        self.weight = Parameter(xp.zeros((n_in, n_out), dtype=dt))
+        self.bias = Parameter(xp.zeros(n_out, dtype=dt)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
+class LayerNorm(Module):
+    def __init__(self, n: int, eps: float = 1e-5, dtype: str = "float32"):
+        dt = resolve_dtype(dtype)
+        self.weight = Parameter(xp.ones(n, dtype=dt))
+        self.bias = Parameter(xp.zeros(n, dtype=dt))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+class Embedding(Module):
+    def __init__(self, n_embeddings: int, dim: int, dtype: str = "float32"):
+        self.weight = Parameter(xp.zeros((n_embeddings, dim), dtype=resolve_dtype(dtype)))
+
+    def forward(self, idx: Any) -> Tensor:
+        return ops.embedding(idx, self.weight)

@@ -1,0 +1,564 @@
+"""Differentiable operations: each a :class:`~minipar.autograd.Function` with its math in the docstring.
+
+Elementwise ops broadcast like numpy; their backward sums the gradient over broadcast axes
+(:func:`unbroadcast`). The hot GPT ops are fused: one Function computes a whole layer norm,
+GELU, attention or cross-entropy, and its backward is the closed-form derivative, written with
+in-place updates to avoid temporaries. Every op is checked against finite differences in float64
+(tests/test_ops.py).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Sequence
+
+from minipar.autograd import Context, Function, Tensor
+from minipar.backend import xp
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def unbroadcast(grad: Any, shape: tuple[int, ...]) -> Any:
+    """Sum ``grad`` down to ``shape``: the adjoint of numpy broadcasting."""
+    if grad.shape == shape:
+        return grad
+    extra = grad.ndim - len(shape)
+    axes = tuple(range(extra)) + tuple(extra + i for i, n in enumerate(shape) if n == 1 and grad.shape[extra + i] != 1)
+    return grad.sum(axis=axes).reshape(shape)
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return getattr(x, "shape", ())
+
+
+# ------------------------------------------------------------------------------------- elementwise
+
+
+class Add(Function):
+    """z = a + b;  dz/da = dz/db = 1."""
+
+    @staticmethod
+    def forward(ctx: Context, a: Any, b: Any) -> Any:
+        ctx.shapes = _shape(a), _shape(b)
+        return a + b
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        sa, sb = ctx.shapes
+        return unbroadcast(g, sa), unbroadcast(g, sb)
+
+
+class Sub(Function):
+    """z = a - b."""
+
+    @staticmethod
+    def forward(ctx: Context, a: Any, b: Any) -> Any:
+        ctx.shapes = _shape(a), _shape(b)
+        return a - b
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        sa, sb = ctx.shapes
+        return unbroadcast(g, sa), unbroadcast(-g, sb) if ctx.needs_input_grad[1] else None
+
+
+class Mul(Function):
+    """z = a * b;  dz/da = b, dz/db = a."""
+
+    @staticmethod
+    def forward(ctx: Context, a: Any, b: Any) -> Any:
+        ctx.save_for_backward(a, b)
+        return a * b
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        a, b = ctx.saved
+        ga = unbroadcast(g * b, _shape(a)) if ctx.needs_input_grad[0] else None
+        gb = unbroadcast(g * a, _shape(b)) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+class Div(Function):
+    """z = a / b;  dz/da = 1/b, dz/db = -a/b²."""
+
+    @staticmethod
+    def forward(ctx: Context, a: Any, b: Any) -> Any:
+        ctx.save_for_backward(a, b)
+        return a / b
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        a, b = ctx.saved
+        ga = unbroadcast(g / b, _shape(a)) if ctx.needs_input_grad[0] else None
+        gb = unbroadcast(-g * a / (b * b), _shape(b)) if ctx.needs_input_grad[1] else None
+        return ga, gb
+
+
+class Neg(Function):
+    @staticmethod
+    def forward(ctx: Context, a: Any) -> Any:
+        return -a
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> Any:
+        return -g
+
+
+class Pow(Function):
+    """z = aᵖ for a constant p;  dz/da = p·aᵖ⁻¹."""
+
+    @staticmethod
+    def forward(ctx: Context, a: Any, p: float) -> Any:
+        ctx.save_for_backward(a)
+        ctx.p = p
+        return a**p
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        (a,) = ctx.saved
+        return g * ctx.p * a ** (ctx.p - 1), None
+
+
+class Exp(Function):
+    @staticmethod
+    def forward(ctx: Context, a: Any) -> Any:
+        out = xp.exp(a)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> Any:
+        return g * ctx.saved[0]
+
+
+class Log(Function):
+    @staticmethod
+    def forward(ctx: Context, a: Any) -> Any:
+        ctx.save_for_backward(a)
+        return xp.log(a)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> Any:
+        return g / ctx.saved[0]
+
+
+class Tanh(Function):
+    """z = tanh(a);  dz/da = 1 - z²."""
+
+    @staticmethod
+    def forward(ctx: Context, a: Any) -> Any:
+        out = xp.tanh(a)
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> Any:
+        (z,) = ctx.saved
+        return g * (1.0 - z * z)
+
+
+# -------------------------------------------------------------------------------------- reductions
+
+
+def _normalize_axes(axis: Any, ndim: int) -> tuple[int, ...]:
+    if axis is None:
+        return tuple(range(ndim))
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    return tuple(a % ndim for a in axes)
+
+
+class Sum(Function):
+    """z = Σ_axis a;  the gradient is broadcast back along the summed axes."""
+
+    @staticmethod
+    def forward(ctx: Context, a: Any, axis: Any = None, keepdims: bool = False) -> Any:
+        ctx.shape, ctx.axes = a.shape, _normalize_axes(axis, a.ndim)
+        return a.sum(axis=ctx.axes, keepdims=keepdims)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        kept = [1 if i in ctx.axes else n for i, n in enumerate(ctx.shape)]
+        return xp.broadcast_to(g.reshape(kept), ctx.shape), None, None
+
+
+class Mean(Function):
+    """z = (1/N) Σ_axis a, N = number of summed elements."""
+
+    @staticmethod
+    def forward(ctx: Context, a: Any, axis: Any = None, keepdims: bool = False) -> Any:
+        ctx.shape, ctx.axes = a.shape, _normalize_axes(axis, a.ndim)
+        return a.mean(axis=ctx.axes, keepdims=keepdims)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        kept = [1 if i in ctx.axes else n for i, n in enumerate(ctx.shape)]
+        count = math.prod(ctx.shape[i] for i in ctx.axes)
+        return xp.broadcast_to(g.reshape(kept) / count, ctx.shape), None, None
+
+
+# ------------------------------------------------------------------------------------------- shape
+
+
+class Reshape(Function):
+    @staticmethod
+    def forward(ctx: Context, a: Any, shape: tuple[int, ...]) -> Any:
+        ctx.shape = a.shape
+        return a.reshape(shape)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        return g.reshape(ctx.shape), None
+
+
+class Transpose(Function):
+    """Permute axes (reverse them when ``axes`` is None); the backward applies the inverse permutation."""
+
+    @staticmethod
+    def forward(ctx: Context, a: Any, axes: Sequence[int] | None = None) -> Any:
+        axes = tuple(reversed(range(a.ndim))) if axes is None else tuple(a_ % a.ndim for a_ in axes)
+        ctx.inverse = tuple(sorted(range(len(axes)), key=axes.__getitem__))
+        return a.transpose(axes)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        return g.transpose(ctx.inverse), None
+
+
+def _is_basic_index(index: Any) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return all(isinstance(i, (int, slice)) or i is None or i is Ellipsis for i in items)
+
+
+class GetItem(Function):
+    """z = a[index]; the backward scatters g into zeros (adding where an integer index repeats)."""
+
+    @staticmethod
+    def forward(ctx: Context, a: Any, index: Any) -> Any:
+        ctx.shape, ctx.dtype, ctx.index = a.shape, a.dtype, index
+        return a[index]
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        grad = xp.zeros(ctx.shape, dtype=ctx.dtype)
+        if _is_basic_index(ctx.index):
+            grad[ctx.index] = g
+        else:
+            xp.add.at(grad, ctx.index, g)
+        return grad, None
+
+
+class Concat(Function):
+    """z = [a₀, a₁, …] joined along ``axis``; the backward splits g at the same boundaries."""
+
+    @staticmethod
+    def forward(ctx: Context, *arrays: Any, axis: int = 0) -> Any:
+        ctx.axis = axis
+        ctx.bounds = [a.shape[axis] for a in arrays]
+        return xp.concatenate(arrays, axis=axis)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        cuts = list(itertools.accumulate(ctx.bounds))[:-1]
+        return tuple(xp.split(g, cuts, axis=ctx.axis))
+
+
+# ------------------------------------------------------------------------------------------ matmul
+
+
+class MatMul(Function):
+    """z = a @ b (batched, numpy broadcasting);  da = g @ bᵀ,  db = aᵀ @ g, summed over broadcast batch axes.
+
+    When b is a matrix and a a stack, ``a`` is flattened to (N, K) so db is one GEMM, not a
+    batch of GEMMs followed by a sum.
+    """
+
+    @staticmethod
+    def forward(ctx: Context, a: Any, b: Any) -> Any:
+        ctx.save_for_backward(a, b)
+        return a @ b
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        a, b = ctx.saved
+        # numpy treats a 1-D a as a row (1, K) and a 1-D b as a column (K, 1); do the same, then drop the axis again
+        a2, b2 = (a[None, :] if a.ndim == 1 else a), (b[:, None] if b.ndim == 1 else b)
+        g2 = xp.expand_dims(g, -2) if a.ndim == 1 else g
+        g2 = xp.expand_dims(g2, -1) if b.ndim == 1 else g2
+        ga = gb = None
+        if ctx.needs_input_grad[0]:
+            ga = unbroadcast(g2 @ xp.swapaxes(b2, -1, -2), a2.shape).reshape(a.shape)
+        if ctx.needs_input_grad[1]:
+            if b2.ndim == 2:
+                gb = a2.reshape(-1, a2.shape[-1]).T @ g2.reshape(-1, g2.shape[-1])
+            else:
+                gb = unbroadcast(xp.swapaxes(a2, -1, -2) @ g2, b2.shape)
+            gb = gb.reshape(b.shape)
+        return ga, gb
+
+
+class Linear(Function):
+    """y = x W + b with W of shape (in, out) (GPT-2's Conv1D layout).
+
+    Backward, with x flattened to (N, in):  dx = g Wᵀ,  dW = xᵀ g,  db = Σ_rows g.
+    Costs 2·N·in·out FLOPs forward and twice that backward.
+    """
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, w: Any, b: Any = None) -> Any:
+        ctx.save_for_backward(x, w)
+        ctx.has_bias = b is not None
+        out = x.reshape(-1, x.shape[-1]) @ w
+        if b is not None:
+            out += b
+        return out.reshape(*x.shape[:-1], w.shape[1])
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        x, w = ctx.saved
+        g2 = g.reshape(-1, g.shape[-1])
+        gx = (g2 @ w.T).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        gw = x.reshape(-1, x.shape[-1]).T @ g2 if ctx.needs_input_grad[1] else None
+        gb = g2.sum(axis=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+# ------------------------------------------------------------------------------ fused network ops
+
+
+class Softmax(Function):
+    """y = exp(x - max x) / Σ exp(x - max x);  dx = y ⊙ (g - Σ g⊙y)."""
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, axis: int = -1) -> Any:
+        y = _softmax(x, axis)
+        ctx.save_for_backward(y)
+        ctx.axis = axis
+        return y
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        (y,) = ctx.saved
+        return _softmax_backward(y, g, ctx.axis), None
+
+
+def _softmax(x: Any, axis: int) -> Any:
+    y = x - x.max(axis=axis, keepdims=True)
+    xp.exp(y, out=y)
+    y /= y.sum(axis=axis, keepdims=True)
+    return y
+
+
+def _softmax_backward(y: Any, g: Any, axis: int) -> Any:
+    dx = g * y
+    dx -= y * dx.sum(axis=axis, keepdims=True)
+    return dx
+
+
+class LayerNorm(Function):
+    """y = x̂ ⊙ w + b,  x̂ = (x - μ) / σ,  μ, σ² = mean, variance over the last axis, σ = √(σ² + ε).
+
+    Backward (N = last-axis size, ĝ = g ⊙ w):
+        dx = (1/σ) (ĝ - mean(ĝ) - x̂ ⊙ mean(ĝ ⊙ x̂)),   dw = Σ_rows g ⊙ x̂,   db = Σ_rows g.
+    """
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, w: Any, b: Any, eps: float = 1e-5) -> Any:
+        xhat = x - x.mean(axis=-1, keepdims=True)
+        rstd = (xhat * xhat).mean(axis=-1, keepdims=True)
+        rstd += eps
+        xp.sqrt(rstd, out=rstd)
+        xp.reciprocal(rstd, out=rstd)
+        xhat *= rstd
+        ctx.save_for_backward(xhat, rstd, w)
+        y = xhat * w
+        y += b
+        return y
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        xhat, rstd, w = ctx.saved
+        n = xhat.shape[-1]
+        g2, xhat2 = g.reshape(-1, n), xhat.reshape(-1, n)
+        gw = (g2 * xhat2).sum(axis=0) if ctx.needs_input_grad[1] else None
+        gb = g2.sum(axis=0) if ctx.needs_input_grad[2] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            ghat = g * w
+            gx = xhat * (ghat * xhat).mean(axis=-1, keepdims=True)
+            gx += ghat.mean(axis=-1, keepdims=True)
+            xp.subtract(ghat, gx, out=gx)
+            gx *= rstd
+        return gx, gw, gb, None
+
+
+_GELU_C = math.sqrt(2.0 / math.pi)
+_GELU_A = 0.044715
+
+
+class GELU(Function):
+    """GELU, tanh approximation (GPT-2's ``gelu_new``):  y = ½ x (1 + t),  t = tanh(c (x + a x³)).
+
+    dy/dx = ½ (1 + t) + ½ x (1 - t²) c (1 + 3 a x²),  with c = √(2/π), a = 0.044715.
+    """
+
+    @staticmethod
+    def forward(ctx: Context, x: Any) -> Any:
+        t = x * x
+        t *= _GELU_A
+        t += 1.0
+        t *= x
+        t *= _GELU_C
+        xp.tanh(t, out=t)
+        ctx.save_for_backward(x, t)
+        y = t + 1.0
+        y *= x
+        y *= 0.5
+        return y
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> Any:
+        x, t = ctx.saved
+        slope = x * x  # ½ x c (1 + 3a x²) (1 - t²) + ½ (1 + t)
+        slope *= 3.0 * _GELU_A * _GELU_C
+        slope += _GELU_C
+        slope *= x
+        slope *= 0.5
+        scratch = t * t
+        xp.subtract(1.0, scratch, out=scratch)
+        slope *= scratch
+        xp.multiply(t, 0.5, out=scratch)
+        slope += scratch
+        slope += 0.5
+        slope *= g
+        return slope
+
+
+class Embedding(Function):
+    """y[i] = W[idx[i]];  dW[v] = Σ_{i: idx[i] = v} g[i]  (a scatter-add)."""
+
+    @staticmethod
+    def forward(ctx: Context, idx: Any, w: Any) -> Any:
+        ctx.save_for_backward(idx)
+        ctx.shape, ctx.dtype = w.shape, w.dtype
+        return w[idx]
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        (idx,) = ctx.saved
+        gw = xp.zeros(ctx.shape, dtype=ctx.dtype)
+        xp.add.at(gw, idx.reshape(-1), g.reshape(-1, ctx.shape[1]))
+        return None, gw
+
+
+class CrossEntropy(Function):
+    """Mean negative log-likelihood of integer targets under softmax(logits) over the last axis.
+
+    L = (1/N) Σᵢ (logsumexp(zᵢ) - zᵢ[tᵢ]);   dL/dzᵢ = (softmax(zᵢ) - onehot(tᵢ)) / N.
+    Targets equal to ``ignore_index`` contribute nothing and are not counted in N.
+    """
+
+    @staticmethod
+    def forward(ctx: Context, logits: Any, targets: Any, ignore_index: int = -100) -> Any:
+        z = logits.reshape(-1, logits.shape[-1])
+        t = targets.reshape(-1)
+        keep = t != ignore_index
+        rows, safe_t = xp.arange(len(t)), xp.where(keep, t, 0)
+        zmax = z.max(axis=-1, keepdims=True)
+        probs = z - zmax
+        xp.exp(probs, out=probs)
+        total = probs.sum(axis=-1, keepdims=True)
+        probs /= total
+        logsumexp = xp.log(total[:, 0]) + zmax[:, 0]
+        count = max(int(keep.sum()), 1)
+        loss = ((logsumexp - z[rows, safe_t]) * keep).sum() / count
+        ctx.save_for_backward(probs, safe_t, keep, rows)
+        ctx.shape, ctx.count = logits.shape, count
+        return xp.asarray(loss, dtype=logits.dtype)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        probs, safe_t, keep, rows = ctx.saved
+        grad = probs  # consumed: the graph is freed after backward
+        grad[rows, safe_t] -= 1.0
+        grad *= (g / ctx.count) * keep[:, None]
+        return grad.reshape(ctx.shape), None, None
+
+
+class CausalSelfAttention(Function):
+    """Multi-head causal attention on a fused (B, T, 3C) tensor [q | k | v], heads of size D = C/H.
+
+    Forward per head:  S = q kᵀ / √D + M  (M = -∞ above the diagonal),  P = softmax(S),  y = P v.
+    Backward:          dv = Pᵀ dy,  dP = dy vᵀ,  dS = P ⊙ (dP - Σ_row dP ⊙ P) / √D,
+                       dq = dS k,   dk = dSᵀ q.
+    Returns (B, T, C) with heads concatenated, as GPT-2 does. ``n_head`` is the number of heads
+    present in ``qkv``: all of them, or the local share under tensor parallelism.
+    """
+
+    @staticmethod
+    def forward(ctx: Context, qkv: Any, n_head: int) -> Any:
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        D = C // n_head
+        q, k, v = qkv.reshape(B, T, 3, n_head, D).transpose(2, 0, 3, 1, 4)  # each (B, H, T, D), views
+        scale = 1.0 / math.sqrt(D)
+        s = q @ xp.swapaxes(k, -1, -2)
+        s *= scale
+        s += _causal_mask(T, s.dtype)
+        p = _softmax(s, axis=-1)
+        y = p @ v
+        ctx.save_for_backward(q, k, v, p)
+        ctx.scale = scale
+        return y.transpose(0, 2, 1, 3).reshape(B, T, C)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        q, k, v, p = ctx.saved
+        B, H, T, D = q.shape
+        gy = g.reshape(B, T, H, D).transpose(0, 2, 1, 3)
+        gqkv = xp.empty((B, T, 3, H, D), dtype=g.dtype)
+        gqkv_heads = gqkv.transpose(2, 0, 3, 1, 4)  # (3, B, H, T, D) view
+        xp.matmul(xp.swapaxes(p, -1, -2), gy, out=gqkv_heads[2])
+        ds = _softmax_backward(p, gy @ xp.swapaxes(v, -1, -2), axis=-1)
+        ds *= ctx.scale
+        xp.matmul(ds, k, out=gqkv_heads[0])
+        xp.matmul(xp.swapaxes(ds, -1, -2), q, out=gqkv_heads[1])
+        return gqkv.reshape(B, T, 3 * H * D), None
+
+
+_masks: dict[tuple, Any] = {}
+
+
+def _causal_mask(T: int, dtype: Any) -> Any:
+    """(T, T) additive mask: 0 on and below the diagonal, -inf above (cached per size and dtype)."""
+    key = (T, xp.dtype(dtype).str, xp.__name__)
+    if key not in _masks:
+        _masks[key] = xp.triu(xp.full((T, T), -xp.inf, dtype=dtype), k=1)
+    return _masks[key]
+
+
+# ------------------------------------------------------------------------------ functional API
+
+
+def add(a, b) -> Tensor: return Add.apply(a, b)
+def sub(a, b) -> Tensor: return Sub.apply(a, b)
+def mul(a, b) -> Tensor: return Mul.apply(a, b)
+def div(a, b) -> Tensor: return Div.apply(a, b)
+def neg(a) -> Tensor: return Neg.apply(a)
+def pow(a, p: float) -> Tensor: return Pow.apply(a, p)  # noqa: A001 (mirrors the operator)
+def exp(a) -> Tensor: return Exp.apply(a)
+def log(a) -> Tensor: return Log.apply(a)
+def tanh(a) -> Tensor: return Tanh.apply(a)
+def sum(a, axis=None, keepdims: bool = False) -> Tensor: return Sum.apply(a, axis, keepdims)  # noqa: A001
+def mean(a, axis=None, keepdims: bool = False) -> Tensor: return Mean.apply(a, axis, keepdims)
+def reshape(a, shape) -> Tensor: return Reshape.apply(a, tuple(shape))
+def transpose(a, axes=None) -> Tensor: return Transpose.apply(a, axes)
+def getitem(a, index) -> Tensor: return GetItem.apply(a, index.data if isinstance(index, Tensor) else index)
+def concat(tensors: Sequence, axis: int = 0) -> Tensor: return Concat.apply(*tensors, axis=axis)
+def matmul(a, b) -> Tensor: return MatMul.apply(a, b)
+def linear(x, w, b=None) -> Tensor: return Linear.apply(x, w, b)
+def softmax(x, axis: int = -1) -> Tensor: return Softmax.apply(x, axis)
+def layer_norm(x, w, b, eps: float = 1e-5) -> Tensor: return LayerNorm.apply(x, w, b, eps)
+def gelu(x) -> Tensor: return GELU.apply(x)
+def embedding(idx, w) -> Tensor: return Embedding.apply(idx, w)
+def cross_entropy(logits, targets, ignore_index: int = -100) -> Tensor: return CrossEntropy.apply(logits, targets, ignore_index)
+def causal_self_attention(qkv, n_head: int) -> Tensor: return CausalSelfAttention.apply(qkv, n_head)

@@ -1,0 +1,117 @@
+"""Optimizers, learning-rate schedule and gradient clipping.
+
+The update rules are functions on plain arrays (:func:`adamw_update`, :func:`sgd_update`) so that
+the sharded optimizers of ZeRO apply exactly the same arithmetic to their slice of the parameters.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable
+
+from minipar.backend import xp
+from minipar.nn import Parameter
+
+
+def adamw_update(p: Any, g: Any, m: Any, v: Any, *, step: int, lr: float, beta1: float, beta2: float,
+                 eps: float, weight_decay: float) -> None:
+    """AdamW (Loshchilov & Hutter), in place on ``p``, ``m``, ``v``; ``step`` counts from 1.
+
+        p ← p − lr·λ·p                                      (decoupled weight decay)
+        m ← β₁ m + (1 − β₁) g,    v ← β₂ v + (1 − β₂) g²
+        p ← p − lr · m̂ / (√v̂ + ε),  m̂ = m / (1 − β₁ᵗ),  v̂ = v / (1 − β₂ᵗ)
+    """
+    if weight_decay:
+        p *= 1.0 - lr * weight_decay
+    m *= beta1
+    m += (1.0 - beta1) * g
+    v *= beta2
+    v += (1.0 - beta2) * (g * g)
+    denom = xp.sqrt(v / (1.0 - beta2**step))
+    denom += eps
+    p -= (lr / (1.0 - beta1**step)) * m / denom
+
+
+def sgd_update(p: Any, g: Any, buf: Any | None, *, lr: float, momentum: float, weight_decay: float) -> None:
+    """p ← p − lr·(b),  b ← μ b + (g + λ p)  (heavy-ball momentum; plain SGD when μ = 0)."""
+    if weight_decay:
+        g = g + weight_decay * p
+    if buf is not None:
+        buf *= momentum
+        buf += g
+        g = buf
+    p -= lr * g
+
+
+class Optimizer:
+    def __init__(self, params: Iterable[Parameter], lr: float):
+        self.params = list(params)
+        self.lr = lr
+        self.step_count = 0
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+class AdamW(Optimizer):
+    """AdamW; weight decay applies to matrices only (not to biases, layer norms' gains), as in GPT-2/3."""
+
+    def __init__(self, params: Iterable[Parameter], lr: float = 3e-4, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, weight_decay: float = 0.1):
+        super().__init__(params, lr)
+        self.beta1, self.beta2 = betas
+        self.eps, self.weight_decay = eps, weight_decay
+        self.m = [xp.zeros_like(p.data) for p in self.params]
+        self.v = [xp.zeros_like(p.data) for p in self.params]
+
+    def step(self) -> None:
+        self.step_count += 1
+        for p, m, v in zip(self.params, self.m, self.v):
+            if p.grad is None:
+                continue
+            adamw_update(p.data, p.grad, m, v, step=self.step_count, lr=self.lr, beta1=self.beta1,
+                         beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay if p.ndim >= 2 else 0.0)
+
+
+class SGD(Optimizer):
+    def __init__(self, params: Iterable[Parameter], lr: float = 0.1, momentum: float = 0.0, weight_decay: float = 0.0):
+        super().__init__(params, lr)
+        self.momentum, self.weight_decay = momentum, weight_decay
+        self.buffers = [xp.zeros_like(p.data) if momentum else None for p in self.params]
+
+    def step(self) -> None:
+        self.step_count += 1
+        for p, buf in zip(self.params, self.buffers):
+            if p.grad is not None:
+                sgd_update(p.data, p.grad, buf, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay)
+
+
+def cosine_lr(step: int, *, max_lr: float, warmup_steps: int, total_steps: int, min_lr: float = 0.0) -> float:
+    """Linear warm-up over ``warmup_steps`` to ``max_lr``, then a cosine decay to ``min_lr`` at ``total_steps``.
+
+    lr(s) = max_lr·(s+1)/warmup               for s < warmup
+          = min_lr + ½(max_lr − min_lr)(1 + cos(π·(s − warmup)/(total − warmup)))   afterwards
+    """
+    if step < warmup_steps:
+        return max_lr * (step + 1) / warmup_steps
+    if step >= total_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def clip_grad_norm(params: Iterable[Parameter], max_norm: float,
+                   sum_squares: Callable[[float], float] = lambda s: s) -> float:
+    """Scale all gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping.
+
+    ``sum_squares`` turns this rank's Σg² into the global one: identity for one process, an
+    all-reduce over the ranks that hold disjoint pieces of the gradients when they are sharded.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    local = float(sum(float((g * g).sum()) for g in grads))
+    norm = math.sqrt(sum_squares(local))
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads:
+            g *= scale
+    return norm

@@ -1,0 +1,131 @@
+"""Test helpers: finite-difference gradient checks and the multi-rank test harness.
+
+``run_ranks(n, fn, *args)`` runs ``fn(*args)`` on n MPI ranks by spawning the mpich wheel's
+``mpiexec -n n`` under a hard timeout. A rank whose ``fn`` raises prints its traceback and calls
+``MPI_Abort``, which makes mpiexec kill every rank at once: one failing rank fails the test in
+seconds. A rank that hangs is killed with its whole process group when the timeout expires. Either
+way the test gets an ``AssertionError`` carrying every rank's output.
+
+    def _ranks_agree():                  # module-level, in the test file
+        comm = MPI.COMM_WORLD
+        assert comm.allreduce(1) == comm.size
+
+    def test_agree():
+        run_ranks(4, _ranks_agree)
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import numpy as np
+
+from minipar.autograd import Tensor
+
+# ------------------------------------------------------------------------------------- gradcheck
+
+
+def gradcheck(fn: Callable[..., Tensor], *inputs: np.ndarray, eps: float = 1e-6, rtol: float = 1e-5,
+              atol: float = 1e-7, seed: int = 0) -> None:
+    """Compare autograd's gradient of ``fn`` with central differences, in float64.
+
+    The output is reduced to a scalar with fixed random weights, L = Σ fn(x) ⊙ R, so every output
+    element's gradient is checked at once; then ∂L/∂xᵢ ≈ (L(x + ε eᵢ) − L(x − ε eᵢ)) / 2ε for each
+    element i of each input. Raises AssertionError naming the first input and element that differ.
+    """
+    inputs = [np.array(x, dtype=np.float64) for x in inputs]
+    weights = np.random.default_rng(seed).standard_normal(np.shape(fn(*[Tensor(x) for x in inputs]).data))
+
+    def scalar(arrays: list[np.ndarray]) -> float:
+        return float((fn(*[Tensor(a) for a in arrays]).data * weights).sum())
+
+    tensors = [Tensor(x.copy(), requires_grad=True) for x in inputs]
+    (fn(*tensors) * Tensor(weights)).sum().backward()
+    for k, (x, t) in enumerate(zip(inputs, tensors)):
+        analytic = np.zeros_like(x) if t.grad is None else np.asarray(t.grad)
+        numeric = np.zeros_like(x)
+        for i in np.ndindex(x.shape):
+            old = x[i]
+            x[i] = old + eps
+            plus = scalar(inputs)
+            x[i] = old - eps
+            minus = scalar(inputs)
+            x[i] = old
+            numeric[i] = (plus - minus) / (2 * eps)
+        bad = ~np.isclose(analytic, numeric, rtol=rtol, atol=atol)
+        if bad.any():
+            i = tuple(int(j) for j in np.argwhere(bad)[0])
+            raise AssertionError(f"input {k} element {i}: autograd {analytic[i]!r} vs finite differences {numeric[i]!r} "
+                                 f"({int(bad.sum())} of {bad.size} elements differ)")
+
+
+# ---------------------------------------------------------------------------------- rank harness
+
+
+def mpiexec() -> str:
+    """The mpiexec next to this Python (the mpich wheel's), else the first on PATH."""
+    local = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    found = local if os.path.exists(local) else shutil.which("mpiexec")
+    if not found:
+        raise RuntimeError("mpiexec not found: pip install mpich (minipar's MPI runtime)")
+    return found
+
+
+RANK_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def run_command(n: int, command: list[str], timeout: float = 60.0, env: dict[str, str] | None = None) -> str:
+    """Run ``mpiexec -n n command...``; return its output, or raise AssertionError on failure or timeout."""
+    full_env = {**os.environ, **RANK_ENV, **(env or {})}
+    proc = subprocess.Popen([mpiexec(), "-n", str(n), *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=full_env, start_new_session=True, text=True)
+    start = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # mpiexec, its proxies and every rank share this session
+        out, _ = proc.communicate()
+        raise AssertionError(f"{n} ranks timed out after {timeout:.0f} s (killed); output:\n{_tail(out)}") from None
+    if proc.returncode != 0:
+        raise AssertionError(f"{n} ranks failed (exit {proc.returncode}) after {time.monotonic() - start:.1f} s; "
+                             f"output:\n{_tail(out)}")
+    return out
+
+
+def run_ranks(n: int, fn: Callable[..., Any], *args: Any, timeout: float = 60.0, env: dict[str, str] | None = None) -> str:
+    """Run the module-level function ``fn(*args)`` (JSON-able args) on ``n`` ranks; see the module docstring."""
+    path = inspect.getsourcefile(fn)
+    command = [sys.executable, "-m", "minipar.testing", path, fn.__name__, json.dumps(args)]
+    return run_command(n, command, timeout=timeout, env=env)
+
+
+def _tail(text: str, limit: int = 6000) -> str:
+    return text if len(text) <= limit else "...\n" + text[-limit:]
+
+
+def _rank_main(path: str, name: str, args_json: str) -> None:
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    try:
+        spec = importlib.util.spec_from_file_location(f"_rank_target_{rank}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        getattr(module, name)(*json.loads(args_json))
+    except BaseException:  # noqa: BLE001 (any failure on any rank must end every rank)
+        sys.stdout.flush()
+        print(f"[rank {rank}] {name} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        MPI.COMM_WORLD.Abort(1)
+
+
+if __name__ == "__main__":
+    _rank_main(*sys.argv[1:4])

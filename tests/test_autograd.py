@@ -1,0 +1,103 @@
+"""The engine itself: topological order, accumulation, hooks, no_grad, dtype preservation, aliasing."""
+import numpy as np
+import pytest
+
+from minipar import Tensor, no_grad, ops
+from minipar.autograd import Function
+
+
+def test_shared_subexpression_accumulates():
+    x = Tensor(np.array([2.0, 3.0]), requires_grad=True)
+    y = x * x            # used twice below
+    z = (y + y * x).sum()  # z = Σ x² + x³  ->  dz/dx = 2x + 3x²
+    z.backward()
+    np.testing.assert_allclose(x.grad, 2 * x.data + 3 * x.data**2)
+
+
+def test_grad_accumulates_across_backward_calls_and_zero_grad():
+    x = Tensor(np.ones(3), requires_grad=True)
+    (x * 2.0).sum().backward()
+    (x * 3.0).sum().backward()
+    np.testing.assert_allclose(x.grad, 5.0)
+    x.zero_grad()
+    assert x.grad is None
+
+
+def test_hook_fires_once_when_gradient_is_final():
+    w = Tensor(np.ones((2, 2)), requires_grad=True)
+    fired = []
+    w.register_hook(lambda t: fired.append(t.grad.copy()))
+    x = Tensor(np.arange(4.0).reshape(2, 2))
+    out = (x @ w) @ w + x @ w  # w used three times: the hook must see the total
+    out.sum().backward()
+    assert len(fired) == 1
+    np.testing.assert_allclose(fired[0], w.grad)
+
+
+def test_hooks_fire_in_reverse_layer_order():
+    ws = [Tensor(np.eye(3), requires_grad=True) for _ in range(4)]
+    order = []
+    for i, w in enumerate(ws):
+        w.register_hook(lambda t, i=i: order.append(i))
+    h = Tensor(np.ones((2, 3)))
+    for w in ws:
+        h = ops.tanh(h @ w)
+    h.sum().backward()
+    assert order == [3, 2, 1, 0]  # last layer's gradient is final first: that is what lets DDP overlap
+
+
+def test_leaf_grads_do_not_alias():
+    a = Tensor(np.ones(3), requires_grad=True)
+    b = Tensor(np.ones(3), requires_grad=True)
+    (a + b).sum().backward()   # Add hands the same gradient array to both inputs
+    a.grad *= 10.0             # an optimizer scaling one gradient in place
+    np.testing.assert_allclose(b.grad, 1.0)
+
+
+def test_no_grad_records_nothing():
+    x = Tensor(np.ones(2), requires_grad=True)
+    with no_grad():
+        y = x * 2.0
+    assert not y.requires_grad and y.is_leaf
+
+
+def test_float32_stays_float32():
+    x = Tensor(np.ones((2, 3), np.float32), requires_grad=True)
+    w = Tensor(np.ones((3, 4), np.float32), requires_grad=True)
+    y = ops.gelu(ops.layer_norm(x @ w * 0.5 + 1.0, Tensor(np.ones(4, np.float32)), Tensor(np.zeros(4, np.float32))))
+    loss = ops.cross_entropy(y, np.array([0, 1]))
+    assert y.dtype == np.float32 and loss.dtype == np.float32
+    loss.backward()
+    assert x.grad.dtype == np.float32 and w.grad.dtype == np.float32
+
+
+def test_backward_needs_scalar_or_gradient():
+    x = Tensor(np.ones(3), requires_grad=True)
+    with pytest.raises(RuntimeError, match="scalar"):
+        (x * 2.0).backward()
+    (x * 2.0).backward(np.array([1.0, 0.0, 2.0]))
+    np.testing.assert_allclose(x.grad, [2.0, 0.0, 4.0])
+
+
+def test_custom_function_and_needs_input_grad():
+    class Square(Function):
+        @staticmethod
+        def forward(ctx, a, b):
+            ctx.save_for_backward(a)
+            return a * a + b
+
+        @staticmethod
+        def backward(ctx, g):
+            assert ctx.needs_input_grad == (True, False)
+            return 2 * ctx.saved[0] * g, None
+
+    x = Tensor(np.array([3.0]), requires_grad=True)
+    Square.apply(x, Tensor(np.array([1.0]))).sum().backward()
+    np.testing.assert_allclose(x.grad, [6.0])
+
+
+def test_graph_is_freed_after_backward():
+    x = Tensor(np.ones(2), requires_grad=True)
+    y = (x * 2.0).sum()
+    y.backward()
+    assert y._ctx is None

@@ -1,0 +1,117 @@
+"""Every op's gradient against central finite differences, in float64."""
+import numpy as np
+import pytest
+
+from minipar import Tensor, ops
+from minipar.testing import gradcheck
+
+rng = np.random.default_rng(0)
+
+
+def randn(*shape):
+    return rng.standard_normal(shape)
+
+
+@pytest.mark.parametrize("op", [ops.add, ops.sub, ops.mul, ops.div])
+@pytest.mark.parametrize("shapes", [((3, 4), (3, 4)), ((2, 3, 4), (4,)), ((2, 1, 4), (3, 1)), ((3, 4), ())])
+def test_binary_broadcasting(op, shapes):
+    a, b = randn(*shapes[0]), randn(*shapes[1])
+    if op is ops.div:
+        b = np.abs(b) + 0.5
+    gradcheck(op, a, b)
+
+
+@pytest.mark.parametrize("fn", [ops.neg, ops.exp, ops.tanh, lambda x: ops.pow(x, 3.0), lambda x: x * 2.5 + 1.0,
+                                lambda x: 1.0 - x, lambda x: 2.0 / x])
+def test_unary(fn):
+    gradcheck(fn, randn(3, 5) + 3.0)
+
+
+def test_log():
+    gradcheck(ops.log, np.abs(randn(4, 3)) + 0.1)
+
+
+@pytest.mark.parametrize("axis,keepdims", [(None, False), (0, False), (1, True), ((0, 2), False), (-1, True)])
+def test_sum_mean(axis, keepdims):
+    x = randn(2, 3, 4)
+    gradcheck(lambda t: ops.sum(t, axis, keepdims), x)
+    gradcheck(lambda t: ops.mean(t, axis, keepdims), x)
+
+
+def test_shape_ops():
+    x = randn(2, 3, 4)
+    gradcheck(lambda t: t.reshape(4, 6), x)
+    gradcheck(lambda t: t.transpose(2, 0, 1), x)
+    gradcheck(lambda t: t.T, x)
+    gradcheck(lambda t: t[1, :, 1:3], x)
+    gradcheck(lambda t: t[np.array([0, 2, 2]), 1], x.transpose(1, 0, 2))  # repeated integer index: scatter-add
+    gradcheck(lambda a, b: ops.concat([a, b], axis=1), x, randn(2, 5, 4))
+
+
+@pytest.mark.parametrize("shapes", [((3, 4), (4, 5)), ((2, 3, 4), (4, 5)), ((2, 3, 4), (2, 4, 5)),
+                                    ((2, 1, 3, 4), (3, 4, 2)), ((4,), (4, 3)), ((3, 4), (4,))])
+def test_matmul(shapes):
+    gradcheck(ops.matmul, randn(*shapes[0]), randn(*shapes[1]))
+
+
+def test_linear():
+    gradcheck(ops.linear, randn(2, 3, 4), randn(4, 5), randn(5))
+    gradcheck(ops.linear, randn(3, 4), randn(4, 5))
+
+
+def test_softmax():
+    gradcheck(lambda t: ops.softmax(t, -1), randn(3, 5))
+    gradcheck(lambda t: ops.softmax(t, 0), randn(3, 5))
+
+
+def test_layer_norm():
+    gradcheck(lambda x, w, b: ops.layer_norm(x, w, b, 1e-5), randn(2, 3, 6), randn(6), randn(6))
+
+
+def test_gelu():
+    gradcheck(ops.gelu, randn(4, 7) * 2)
+
+
+def test_gelu_matches_tanh_formula():
+    x = np.linspace(-5, 5, 101)
+    expected = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+    np.testing.assert_allclose(ops.gelu(Tensor(x)).data, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_embedding():
+    idx = np.array([[0, 3, 3], [1, 0, 4]])
+    gradcheck(lambda w: ops.embedding(idx, w), randn(5, 4))
+
+
+@pytest.mark.parametrize("ignore", [False, True])
+def test_cross_entropy(ignore):
+    targets = np.array([[1, 0, 3], [2, 2, 4]])
+    if ignore:
+        targets[0, 1] = -100
+    gradcheck(lambda z: ops.cross_entropy(z, targets), randn(2, 3, 5))
+
+
+def test_cross_entropy_value():
+    z = randn(6, 7)
+    t = rng.integers(0, 7, 6)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    loss = ops.cross_entropy(Tensor(z), t)
+    np.testing.assert_allclose(loss.item(), -logp[np.arange(6), t].mean(), rtol=1e-13)
+
+
+@pytest.mark.parametrize("B,T,H,D", [(1, 1, 1, 2), (2, 5, 2, 3), (1, 7, 3, 2)])
+def test_causal_attention(B, T, H, D):
+    gradcheck(lambda qkv: ops.causal_self_attention(qkv, H), randn(B, T, 3 * H * D))
+
+
+def test_causal_attention_matches_reference():
+    B, T, H, D = 2, 6, 2, 4
+    qkv = randn(B, T, 3 * H * D)
+    q, k, v = (qkv[..., i * H * D:(i + 1) * H * D].reshape(B, T, H, D).transpose(0, 2, 1, 3) for i in range(3))
+    s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(D)
+    s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    expected = (p @ v).transpose(0, 2, 1, 3).reshape(B, T, H * D)
+    out = ops.causal_self_attention(Tensor(qkv), H)
+    np.testing.assert_allclose(out.data, expected, rtol=1e-12)
