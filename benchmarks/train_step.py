@@ -1,0 +1,143 @@
+"""GPT training-step time: forward + backward + AdamW, prints ms/step and tokens/s.
+
+    python benchmarks/train_step.py                      # minipar, L=4 H=4 C=256 T=128 B=8 V=256, float32, 1 thread
+    python benchmarks/train_step.py --framework torch    # the same model in PyTorch eager (if torch is installed)
+    python benchmarks/train_step.py --threads 2 --profile
+
+The PyTorch model is written here to mirror minipar's GPT op for op (same shapes, tanh GELU,
+tied head, AdamW), so the two numbers compare one engine with another. torch is not a minipar
+dependency: install it yourself to run that half.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--framework", choices=["minipar", "torch"], default="minipar")
+    p.add_argument("--threads", type=int, default=1, help="BLAS/intra-op threads (set before numpy/torch load)")
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--vocab-size", type=int, default=256)
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--profile", action="store_true", help="print the hottest functions (cProfile)")
+    return p.parse_args()
+
+
+def minipar_step(args: argparse.Namespace):
+    import numpy as np
+
+    from minipar.models.gpt import GPT, GPTConfig
+    from minipar.optim import AdamW
+
+    cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer,
+                    n_head=args.n_head, n_embd=args.n_embd, dtype=args.dtype)
+    model = GPT(cfg)
+    opt = AdamW(model.parameters(), lr=1e-4)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, args.vocab_size, (args.batch_size, args.block_size))
+    y = rng.integers(0, args.vocab_size, (args.batch_size, args.block_size))
+
+    def step() -> None:
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def torch_step(args: argparse.Namespace):
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
+    L, H, C, T, V = args.n_layer, args.n_head, args.n_embd, args.block_size, args.vocab_size
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln_1, self.ln_2 = torch.nn.LayerNorm(C), torch.nn.LayerNorm(C)
+            self.c_attn, self.attn_proj = torch.nn.Linear(C, 3 * C), torch.nn.Linear(C, C)
+            self.c_fc, self.mlp_proj = torch.nn.Linear(C, 4 * C), torch.nn.Linear(4 * C, C)
+
+        def forward(self, x):
+            B = x.shape[0]
+            q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+            q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
+            att = (q @ k.transpose(-2, -1)) / (C // H) ** 0.5
+            att = att.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf")).softmax(-1)
+            x = x + self.attn_proj((att @ v).transpose(1, 2).reshape(B, T, C))
+            return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
+
+    class GPT(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte, self.wpe = torch.nn.Embedding(V, C), torch.nn.Embedding(T, C)
+            self.h = torch.nn.ModuleList([Block() for _ in range(L)])
+            self.ln_f = torch.nn.LayerNorm(C)
+
+        def forward(self, idx, targets):
+            x = self.wte(idx) + self.wpe.weight[:T]
+            for block in self.h:
+                x = block(x)
+            return F.cross_entropy((self.ln_f(x) @ self.wte.weight.T).view(-1, V), targets.view(-1))
+
+    model = GPT().to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    x = torch.randint(0, V, (args.batch_size, T))
+    y = torch.randint(0, V, (args.batch_size, T))
+
+    def step() -> None:
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def main() -> None:
+    args = parse()
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
+    if args.framework == "torch":
+        import torch
+
+        torch.set_num_threads(args.threads)
+        step = torch_step(args)
+    else:
+        step = minipar_step(args)
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    median = times[len(times) // 2]
+    tokens = args.batch_size * args.block_size
+    print(f"{args.framework}: L={args.n_layer} H={args.n_head} C={args.n_embd} T={args.block_size} B={args.batch_size} "
+          f"V={args.vocab_size} {args.dtype}, {args.threads} thread(s): median {median * 1e3:.1f} ms/step "
+          f"(min {times[0] * 1e3:.1f}), {tokens / median:,.0f} tokens/s")
+    if args.profile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.runcall(lambda: [step() for _ in range(3)])
+        pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(18)
+
+
+if __name__ == "__main__":
+    main()

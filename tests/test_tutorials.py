@@ -1,0 +1,28 @@
+"""Every tutorial runs to completion (each asserts its own invariants)."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minipar.testing import run_command
+
+TUTORIALS = Path(__file__).resolve().parent.parent / "tutorials"
+# tutorial file -> number of MPI ranks it is written for (1: plain python)
+RANKS = {"01_autograd_and_gpt.py": 1}
+
+
+@pytest.mark.parametrize("name", sorted(RANKS))
+def test_tutorial_runs(name):
+    path = str(TUTORIALS / name)
+    if RANKS[name] == 1:
+        out = subprocess.run([sys.executable, path], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout + out.stderr
+        text = out.stdout
+    else:
+        text = run_command(RANKS[name], [sys.executable, path], timeout=300)
+    assert "all invariants hold" in text
+
+
+def test_every_tutorial_is_listed():
+    assert sorted(p.name for p in TUTORIALS.glob("[0-9]*.py")) == sorted(RANKS)
