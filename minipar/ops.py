@@ -181,21 +181,6 @@ class Sum(Function):
         return xp.broadcast_to(g.reshape(kept), ctx.shape), None, None
 
 
-class Mean(Function):
-    """z = (1/N) Σ_axis a, N = number of summed elements."""
-
-    @staticmethod
-    def forward(ctx: Context, a: Any, axis: Any = None, keepdims: bool = False) -> Any:
-        ctx.shape, ctx.axes = a.shape, _normalize_axes(axis, a.ndim)
-        return a.mean(axis=ctx.axes, keepdims=keepdims)
-
-    @staticmethod
-    def backward(ctx: Context, g: Any) -> tuple:
-        kept = [1 if i in ctx.axes else n for i, n in enumerate(ctx.shape)]
-        count = math.prod(ctx.shape[i] for i in ctx.axes)
-        return xp.broadcast_to(g.reshape(kept) / count, ctx.shape), None, None
-
-
 # ------------------------------------------------------------------------------------------- shape
 
 
@@ -549,7 +534,10 @@ def exp(a) -> Tensor: return Exp.apply(a)
 def log(a) -> Tensor: return Log.apply(a)
 def tanh(a) -> Tensor: return Tanh.apply(a)
 def sum(a, axis=None, keepdims: bool = False) -> Tensor: return Sum.apply(a, axis, keepdims)  # noqa: A001
-def mean(a, axis=None, keepdims: bool = False) -> Tensor: return Mean.apply(a, axis, keepdims)
+def mean(a, axis=None, keepdims: bool = False) -> Tensor:
+    """(1/N) Σ_axis a, N = the number of summed elements: a Sum scaled, so its gradient is g/N broadcast."""
+    count = math.prod(a.shape[i] for i in _normalize_axes(axis, a.ndim))
+    return Sum.apply(a, axis, keepdims) * (1.0 / count)
 def reshape(a, shape) -> Tensor: return Reshape.apply(a, tuple(shape))
 def transpose(a, axes=None) -> Tensor: return Transpose.apply(a, axes)
 def getitem(a, index) -> Tensor: return GetItem.apply(a, index.data if isinstance(index, Tensor) else index)

@@ -1,0 +1,407 @@
+"""A communicator: point-to-point messages over mpi4py, the collectives of ``collectives.py`` on top,
+byte/time accounting per operation, asynchronous handles, and a debug-mode mismatch/hang detector.
+
+    comm = Communicator()                       # MPI.COMM_WORLD
+    comm.all_reduce(grad, op="avg")             # in place, blocking
+    h = comm.all_reduce(bucket, async_op=True)  # returns at once; a communication thread runs it
+    ...compute...
+    h.wait()
+    print(comm.stats["all_reduce"].bytes)       # bytes this rank sent inside all-reduces
+
+Execution model. Collectives on one communicator run one at a time, in call order, on every rank:
+a blocking call runs on the caller's thread when nothing is queued, otherwise it queues behind
+the pending async work and waits. Async calls go to a per-communicator FIFO worker thread that
+makes the blocking MPI calls (mpi4py releases the GIL inside them, numpy releases it inside
+reductions), so communication progresses while the main thread computes. Needs
+MPI_THREAD_MULTIPLE, which mpi4py requests by default.
+
+Arrays. Messages travel as raw bytes, so any numpy dtype works; reductions are numpy ufuncs on
+the host. cupy arrays are staged: copied to the host (which synchronizes the stream) before any
+MPI call and copied back after.
+
+Debug mode (``MINIPAR_DEBUG=1``). Before every collective the ranks send (sequence number, op,
+dtype, shape, call site) to rank 0, which compares them and answers; a mismatch raises a
+``CollectiveMismatch`` on every rank naming both sides, and a rank that does not arrive within
+``MINIPAR_DEBUG_TIMEOUT`` seconds (default 60) is reported as missing instead of hanging the job.
+"""
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+from mpi4py import MPI
+
+from minipar.backend import on_gpu, to_host
+from minipar.comm import collectives as algo
+
+COLLECTIVE_TAG_BASE = 1 << 16  # user point-to-point tags must stay below this
+_DEBUG_TAG, _VERDICT_TAG = COLLECTIVE_TAG_BASE - 2, COLLECTIVE_TAG_BASE - 1
+_SIGNATURE_BYTES = 4096
+_COMM_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class CollectiveMismatch(RuntimeError):
+    """Ranks called different collectives (or shapes/dtypes) at the same point, or one never arrived."""
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0  # bytes this rank sent
+    seconds: float = 0.0
+
+
+class Handle:
+    """The future of an async operation: ``wait()`` blocks until it is done and returns its result."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def _finish(self, result: Any = None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self._done.set()
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> Any:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
+class _Worker:
+    """One FIFO communication thread: runs submitted callables in order."""
+
+    def __init__(self, name: str):
+        self.queue: queue.Queue = queue.Queue()
+        self.pending = 0
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, fn: Callable[[], Any]) -> Handle:
+        handle = Handle()
+        with self.lock:
+            self.pending += 1
+        self.queue.put((fn, handle))
+        return handle
+
+    def _loop(self) -> None:
+        while True:
+            fn, handle = self.queue.get()
+            try:
+                handle._finish(fn())
+            except BaseException as e:  # noqa: BLE001 (re-raised by handle.wait in the caller)
+                handle._finish(error=e)
+            finally:
+                with self.lock:
+                    self.pending -= 1
+
+
+class Communicator:
+    """``rank``/``size`` over an mpi4py communicator, with p2p, collectives and per-op accounting."""
+
+    def __init__(self, mpi_comm: MPI.Comm | None = None, name: str = "world"):
+        self.mpi = mpi_comm if mpi_comm is not None else MPI.COMM_WORLD
+        self.rank, self.size, self.name = self.mpi.Get_rank(), self.mpi.Get_size(), name
+        self.stats: dict[str, OpStats] = {}
+        self.debug = os.environ.get("MINIPAR_DEBUG", "0") not in ("", "0")
+        self.debug_timeout = float(os.environ.get("MINIPAR_DEBUG_TIMEOUT", "60"))
+        self._sequence = 0
+        self._worker: _Worker | None = None
+        self._local = threading.local()  # which operation the running thread is inside
+        self._stats_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Communicator({self.name}, rank {self.rank} of {self.size})"
+
+    def split(self, color: int, key: int | None = None, name: str | None = None) -> Communicator:
+        """Ranks with equal ``color`` form a new communicator, ordered by ``key`` (default: current rank)."""
+        sub = self.mpi.Split(color, self.rank if key is None else key)
+        return Communicator(sub, name or f"{self.name}/{color}")
+
+    # ------------------------------------------------------------------------------ accounting
+    def _record(self, op: str, nbytes: int = 0, seconds: float = 0.0, call: bool = False) -> None:
+        with self._stats_lock:
+            s = self.stats.setdefault(op, OpStats())
+            s.bytes += nbytes
+            s.seconds += seconds
+            s.calls += int(call)
+
+    def reset_stats(self) -> None:
+        with self._stats_lock:
+            self.stats = {}
+
+    def bytes_sent(self, op: str | None = None) -> int:
+        """Bytes this rank sent in operation ``op`` (every operation when None)."""
+        with self._stats_lock:
+            return sum(s.bytes for k, s in self.stats.items() if op is None or k == op)
+
+    # ------------------------------------------------------------------- point-to-point (host)
+    def _op(self) -> str:
+        return getattr(self._local, "op", None) or "p2p"
+
+    def sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int, tag: int) -> None:
+        """Send ``send`` to ``dest`` while receiving ``recv`` from ``source`` (contiguous host arrays)."""
+        self.mpi.Sendrecv([send, MPI.BYTE], dest, tag, [recv, MPI.BYTE], source, tag)
+        self._record(self._op(), send.nbytes)
+
+    def send(self, x: Any, dest: int, tag: int = 0) -> None:
+        """Blocking send of an xp array (cupy arrays are staged through the host)."""
+        host = np.ascontiguousarray(to_host(x))
+        self.mpi.Send([host, MPI.BYTE], dest, tag)
+        self._record(self._op(), host.nbytes)
+
+    def recv(self, x: Any, source: int, tag: int = 0) -> Any:
+        """Blocking receive into the preallocated xp array ``x``; returns ``x``."""
+        if on_gpu(x) or not x.flags.c_contiguous:
+            host = np.empty(x.shape, x.dtype)
+            self.mpi.Recv([host, MPI.BYTE], source, tag)
+            x[...] = _like(x, host)
+        else:
+            self.mpi.Recv([x, MPI.BYTE], source, tag)
+        return x
+
+    def isend(self, x: Any, dest: int, tag: int = 0) -> Handle:
+        """Non-blocking send; the handle's ``wait()`` returns when the buffer may be reused."""
+        host = np.ascontiguousarray(to_host(x))
+        request = self.mpi.Isend([host, MPI.BYTE], dest, tag)
+        self._record(self._op(), host.nbytes)
+        return _RequestHandle(request, keep_alive=host)
+
+    def irecv(self, x: Any, source: int, tag: int = 0) -> Handle:
+        """Non-blocking receive into ``x``; ``wait()`` returns ``x`` once the data has arrived."""
+        direct = not on_gpu(x) and x.flags.c_contiguous
+        host = x if direct else np.empty(x.shape, x.dtype)
+        request = self.mpi.Irecv([host, MPI.BYTE], source, tag)
+        finish = None if direct else (lambda: x.__setitem__(Ellipsis, _like(x, host)))
+        return _RequestHandle(request, keep_alive=host, on_complete=finish, result=x)
+
+    # ------------------------------------------------------------------------------ collectives
+    def all_reduce(self, x: Any, op: str = "sum", async_op: bool = False, algorithm: str | None = None) -> Any:
+        """Reduce ``x`` over all ranks, in place; every rank ends with the result (returns ``x``).
+
+        ``algorithm``: "ring" (2(p−1)/p·n bytes sent per rank), "recursive_doubling" (log₂p·n),
+        or None to choose by size (recursive doubling up to ``SMALL_MESSAGE_BYTES``).
+        """
+        self._check_op(op, x)
+        if algorithm is None:
+            algorithm = "recursive_doubling" if x.nbytes <= algo.SMALL_MESSAGE_BYTES else "ring"
+        run = {"ring": algo.ring_all_reduce, "recursive_doubling": algo.recursive_doubling_all_reduce}[algorithm]
+        return self._collective("all_reduce", x, async_op, lambda buf, tag: run(self, buf, op, tag), op=op)
+
+    def reduce_scatter(self, x: Any, op: str = "sum", async_op: bool = False) -> Any:
+        """Reduce ``x`` (flattened, n elements) over all ranks; rank r returns chunk r as a new 1-D array.
+
+        Chunks follow ``numpy.array_split(n, p)``. Ring: p−1 steps, (p−1)/p·n bytes sent per rank.
+        ``x`` itself is left unchanged.
+        """
+        self._check_op(op, x)
+
+        def run(buf: np.ndarray, tag: int) -> np.ndarray:
+            work = buf.copy()  # the ring reduces in place; x stays as it was
+            algo.ring_reduce_scatter(self, work, op, tag)
+            b = algo.chunk_bounds(work.size, self.size)
+            return work[b[self.rank]:b[self.rank + 1]]
+
+        return self._collective("reduce_scatter", x, async_op, run, op=op, in_place=False)
+
+    def all_gather(self, x: Any, sizes: list[int] | None = None, async_op: bool = False) -> Any:
+        """Concatenate every rank's ``x`` (flattened) in rank order; returns a new 1-D array on every rank.
+
+        ``sizes[r]`` is rank r's element count (default: all equal to ``x.size``). Ring: p−1 steps,
+        each rank sends (p−1)/p·n bytes of the n-element result.
+        """
+        sizes = [x.size] * self.size if sizes is None else list(sizes)
+        if len(sizes) != self.size or sizes[self.rank] != x.size:
+            raise ValueError(f"all_gather: sizes {sizes} must list {self.size} counts with sizes[{self.rank}] = {x.size}")
+        bounds = [0, *np.cumsum(sizes).tolist()]
+
+        def run(local: np.ndarray, tag: int) -> np.ndarray:
+            out = np.empty(bounds[-1], dtype=local.dtype)
+            out[bounds[self.rank]:bounds[self.rank + 1]] = local
+            algo.ring_all_gather(self, out, tag, bounds)
+            return out
+
+        return self._collective("all_gather", x, async_op, run, in_place=False, same_shape=False, sizes=sizes)
+
+    def broadcast(self, x: Any, root: int = 0, async_op: bool = False) -> Any:
+        """Root's ``x`` into every rank's ``x`` (binomial tree, ⌈log₂p⌉ rounds); returns ``x``."""
+        self._check_root(root)
+        return self._collective("broadcast", x, async_op, lambda buf, tag: algo.binomial_broadcast(self, buf, root, tag),
+                                root=root)
+
+    def reduce(self, x: Any, op: str = "sum", root: int = 0, async_op: bool = False) -> Any:
+        """Reduce onto ``root``'s ``x`` in place (binomial tree); other ranks' ``x`` is unchanged."""
+        self._check_op(op, x)
+        self._check_root(root)
+
+        def run(buf: np.ndarray, tag: int) -> None:
+            work = buf if self.rank == root else buf.copy()
+            algo.binomial_reduce(self, work, op, root, tag)
+
+        return self._collective("reduce", x, async_op, run, op=op, root=root)
+
+    def barrier(self) -> None:
+        """Returns on every rank only once all ranks have entered (dissemination, ⌈log₂p⌉ rounds)."""
+        self._collective("barrier", np.empty(0, np.uint8), False, lambda buf, tag: algo.dissemination_barrier(self, tag))
+
+    # ------------------------------------------------------------------------------- machinery
+    def _check_op(self, op: str, x: Any) -> None:
+        if op not in algo.REDUCE_OPS:
+            raise ValueError(f"unknown reduction {op!r}: expected one of {sorted(algo.REDUCE_OPS)}")
+        if op == "avg" and not np.issubdtype(x.dtype, np.floating):
+            raise TypeError(f"op='avg' needs a floating-point array, got {x.dtype}")
+
+    def _check_root(self, root: int) -> None:
+        if not 0 <= root < self.size:
+            raise ValueError(f"root {root} is not a rank of this {self.size}-rank communicator")
+
+    def _collective(self, name: str, x: Any, async_op: bool, run: Callable[[np.ndarray, int], Any],
+                    in_place: bool = True, same_shape: bool = True, **details: Any) -> Any:
+        """Run ``run(contiguous 1-D host buffer, tag)`` as collective ``name``, in call order, accounted."""
+        sequence = self._sequence
+        self._sequence += 1
+        tag = COLLECTIVE_TAG_BASE + sequence % (1 << 14)
+        signature = None
+        if self.debug:
+            signature = {"seq": sequence, "op": name, "dtype": str(x.dtype), "shape": list(x.shape) if same_shape else None,
+                         "details": dict(details), "site": _call_site()}
+
+        def execute() -> Any:
+            self._local.op = name
+            start = time.perf_counter()
+            try:
+                if signature is not None:
+                    self._verify_signature(signature)
+                buf = np.ascontiguousarray(to_host(x)).reshape(-1)  # a view of x when x is contiguous on the host
+                result = run(buf, tag)
+                if not in_place:
+                    return _like(x, result)
+                if on_gpu(x) or not x.flags.c_contiguous:
+                    x[...] = _like(x, buf.reshape(x.shape))
+                return x
+            finally:
+                self._record(name, seconds=time.perf_counter() - start, call=True)
+                self._local.op = None
+
+        if async_op:
+            return self._worker_thread().submit(execute)
+        if self._worker is None or self._worker.pending == 0:
+            return execute()
+        return self._worker.submit(execute).wait()
+
+    def _worker_thread(self) -> _Worker:
+        if self._worker is None:
+            self._worker = _Worker(f"minipar-comm-{self.name}")
+        return self._worker
+
+    def _verify_signature(self, signature: dict) -> None:
+        """Debug mode: rank 0 collects every rank's signature, compares, and answers ok / the mismatch."""
+        mine = json.dumps(signature).encode()[:_SIGNATURE_BYTES].ljust(_SIGNATURE_BYTES)
+        deadline = time.monotonic() + self.debug_timeout
+        if self.rank == 0:
+            slots = [np.empty(_SIGNATURE_BYTES, np.uint8) for _ in range(self.size)]
+            slots[0][:] = np.frombuffer(mine, np.uint8)
+            requests = {r: self.mpi.Irecv([slots[r], MPI.BYTE], r, _DEBUG_TAG) for r in range(1, self.size)}
+            _wait_all(requests, deadline)
+            missing = sorted(r for r, req in requests.items() if not req.Test())
+            if missing:
+                for req in (requests[r] for r in missing):
+                    req.Cancel()
+                verdict = (f"collective #{signature['seq']} {signature['op']} at {signature['site']}: rank(s) {missing} "
+                           f"did not arrive within {self.debug_timeout:.0f} s (hung, or skipped this collective)")
+            else:
+                sigs = [json.loads(bytes(s).decode(errors="replace").rstrip()) for s in slots]
+                verdict = ""
+                for r, other in enumerate(sigs[1:], start=1):
+                    if other != sigs[0]:
+                        verdict = (f"collective mismatch at #{signature['seq']}: rank 0 called {_describe(sigs[0])}, "
+                                   f"rank {r} called {_describe(other)}")
+                        break
+            message = np.frombuffer(verdict.encode()[:4000].ljust(4096), np.uint8).copy()
+            for r in range(1, self.size):
+                if r not in missing:
+                    self.mpi.Send([message, MPI.BYTE], r, _VERDICT_TAG)
+        else:
+            self.mpi.Send([np.frombuffer(mine, np.uint8).copy(), MPI.BYTE], 0, _DEBUG_TAG)
+            answer = np.empty(4096, np.uint8)
+            request = {0: self.mpi.Irecv([answer, MPI.BYTE], 0, _VERDICT_TAG)}
+            _wait_all(request, deadline)
+            if not request[0].Test():
+                request[0].Cancel()
+                raise CollectiveMismatch(f"collective #{signature['seq']} {signature['op']} at {signature['site']}: "
+                                         f"rank 0 did not answer within {self.debug_timeout:.0f} s")
+            verdict = bytes(answer).decode(errors="replace").rstrip()
+        if verdict:
+            raise CollectiveMismatch(verdict)
+
+
+class _RequestHandle(Handle):
+    """A Handle over an MPI request (p2p isend/irecv)."""
+
+    def __init__(self, request: MPI.Request, keep_alive: Any, on_complete: Callable[[], None] | None = None,
+                 result: Any = None):
+        super().__init__()
+        self._request, self._keep_alive, self._on_complete, self._value = request, keep_alive, on_complete, result
+
+    def is_completed(self) -> bool:
+        if not self._done.is_set() and self._request.Test():
+            self._complete()
+        return self._done.is_set()
+
+    def wait(self) -> Any:
+        if not self._done.is_set():
+            self._request.Wait()
+            self._complete()
+        return self._result
+
+    def _complete(self) -> None:
+        if not self._done.is_set():
+            if self._on_complete is not None:
+                self._on_complete()
+            self._keep_alive = None
+            self._finish(self._value)
+
+
+def _wait_all(requests: dict[int, MPI.Request], deadline: float) -> None:
+    pending = dict(requests)
+    while pending and time.monotonic() < deadline:
+        for r in [r for r, req in pending.items() if req.Test()]:
+            del pending[r]
+        if pending:
+            time.sleep(0.001)
+
+
+def _describe(sig: dict) -> str:
+    extra = "".join(f", {k}={v}" for k, v in sig["details"].items())
+    shape = "" if sig["shape"] is None else f", shape={tuple(sig['shape'])}"
+    return f"{sig['op']}(dtype={sig['dtype']}{shape}{extra}) at {sig['site']}"
+
+
+def _call_site() -> str:
+    """file:line of the innermost frame outside minipar/comm (where the user asked for the collective)."""
+    for frame in reversed(traceback.extract_stack()[:-1]):
+        if not os.path.abspath(frame.filename).startswith(_COMM_DIR):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno}"
+    return "?"
+
+
+def _like(x: Any, host: np.ndarray) -> Any:
+    """``host`` moved to wherever ``x`` lives (cupy for a cupy ``x``)."""
+    if on_gpu(x):
+        import cupy
+
+        return cupy.asarray(host)
+    return host

@@ -1,0 +1,313 @@
+"""Hand-written collectives against MPI's own, over p = 1..8, awkward sizes, dtypes, ops and layouts.
+
+Integers must match MPI bitwise; floats within a bound proportional to Σ|xᵢ| and the dtype's
+epsilon (the two implementations add in different orders). Counted bytes must equal the formulas.
+"""
+import os
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from minipar.comm import CollectiveMismatch, Communicator
+from minipar.comm.collectives import SMALL_MESSAGE_BYTES, chunk_bounds
+from minipar.testing import run_ranks
+
+DTYPES = ["float16", "float32", "float64", "int32", "int64"]
+OPS = ["sum", "avg", "max"]
+_MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX}
+
+
+def _sizes(p):
+    big = SMALL_MESSAGE_BYTES // 8 + 3 * p + 1  # float64 above the threshold: the automatic choice picks the ring
+    return sorted({0, 1, max(p - 1, 1), p, 7, 13 * p + 5, 1000, big})
+
+
+def _data(rank, n, dtype, seed=0):
+    rng = np.random.default_rng((seed, rank, n))
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        return rng.integers(-1000, 1000, n).astype(dtype)
+    return rng.standard_normal(n).astype(dtype)
+
+
+def _check_close(ours, reference, abs_sum, dtype, p, what):
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        np.testing.assert_array_equal(ours, reference, err_msg=what)
+        return
+    eps = np.finfo(dtype).eps
+    bound = 4 * p * eps * (abs_sum + 1e-30)
+    err = np.abs(ours.astype(np.float64) - reference)
+    assert (err <= bound).all(), f"{what}: max error {err.max()} exceeds bound {bound[err.argmax()]}"
+
+
+def _reference_reduce(mpi, x, op):
+    """MPI's Allreduce in float64 (float16 is not an MPI type) or the native integer type."""
+    wide = x.astype(np.float64) if np.issubdtype(x.dtype, np.floating) else x.copy()
+    out = np.empty_like(wide)
+    mpi.Allreduce(wide, out, op=_MPI_OPS[op])
+    if op == "avg":
+        out = out / mpi.size
+    abs_sum = np.empty(x.shape)
+    mpi.Allreduce(np.abs(x.astype(np.float64)), abs_sum, op=MPI.SUM)
+    return out, abs_sum
+
+
+def _all_reduce_grid():
+    comm = Communicator()
+    p = comm.size
+    for n in _sizes(p):
+        for dtype in DTYPES:
+            for op in OPS:
+                if op == "avg" and dtype.startswith("int"):
+                    continue
+                x = _data(comm.rank, n, dtype)
+                ref, abs_sum = _reference_reduce(comm.mpi, x, op)
+                if op == "max":
+                    abs_sum = np.zeros_like(abs_sum)  # max is exact
+                for algorithm in ("ring", "recursive_doubling", None):
+                    ours = x.copy()
+                    assert comm.all_reduce(ours, op=op, algorithm=algorithm) is ours
+                    _check_close(ours, ref, abs_sum, dtype, p, f"all_reduce {algorithm} {op} {dtype} n={n}")
+                    # every rank holds bitwise the same result (replicas never drift)
+                    gathered = np.empty((p, n), dtype)
+                    comm.mpi.Allgather(ours, gathered)
+                    assert (gathered.view(np.uint8) == ours.view(np.uint8)).all(), "ranks disagree bitwise"
+
+
+def _reduce_scatter_and_all_gather_grid():
+    comm = Communicator()
+    p, r = comm.size, comm.rank
+    for n in _sizes(p):
+        b = chunk_bounds(n, p)
+        counts = [b[i + 1] - b[i] for i in range(p)]
+        for dtype in DTYPES:
+            for op in OPS:
+                if op == "avg" and dtype.startswith("int"):
+                    continue
+                x = _data(r, n, dtype)
+                before = x.copy()
+                ours = comm.reduce_scatter(x, op=op)
+                np.testing.assert_array_equal(x, before)  # input untouched
+                wide = x.astype(np.float64) if dtype.startswith("float") else x
+                ref = np.empty(counts[r], wide.dtype)
+                comm.mpi.Reduce_scatter(wide, ref, recvcounts=counts, op=_MPI_OPS[op])
+                if op == "avg":
+                    ref = ref / p
+                abs_sum = np.empty(counts[r])
+                comm.mpi.Reduce_scatter(np.abs(wide.astype(np.float64)), abs_sum, recvcounts=counts, op=MPI.SUM)
+                assert ours.shape == (counts[r],) and ours.dtype == np.dtype(dtype)
+                _check_close(ours, ref, abs_sum if op != "max" else 0 * abs_sum, dtype, p,
+                             f"reduce_scatter {op} {dtype} n={n}")
+
+            # all-gather, equal and unequal contributions (Allgatherv as reference): bitwise
+            local = _data(r, counts[r], dtype, seed=1)
+            ours = comm.all_gather(local, sizes=counts)
+            ref = np.empty(n, dtype)
+            comm.mpi.Allgatherv(local, [ref, counts])
+            np.testing.assert_array_equal(ours, ref)
+            same = _data(r, 3, dtype, seed=2)
+            ref = np.empty(3 * p, dtype)
+            comm.mpi.Allgather(same, ref)
+            np.testing.assert_array_equal(comm.all_gather(same), ref)
+
+
+def _broadcast_reduce_barrier_grid():
+    comm = Communicator()
+    p, r = comm.size, comm.rank
+    for n in (0, 1, 5, 1000):
+        for dtype in DTYPES:
+            for root in sorted({0, p - 1, p // 2}):
+                x = _data(r, n, dtype)
+                ref = x.copy()
+                comm.mpi.Bcast(ref, root=root)
+                np.testing.assert_array_equal(comm.broadcast(x, root=root), ref)
+
+                x = _data(r, n, dtype, seed=3)
+                before = x.copy()
+                wide_ref, abs_sum = _reference_reduce(comm.mpi, x, "sum")
+                comm.reduce(x, op="sum", root=root)
+                if r == root:
+                    _check_close(x, wide_ref, abs_sum, dtype, p, f"reduce root={root} {dtype} n={n}")
+                else:
+                    np.testing.assert_array_equal(x, before)
+    comm.barrier()
+
+
+def _non_contiguous_and_multidimensional():
+    comm = Communicator()
+    p = comm.size
+    base = np.arange(60, dtype=np.float64).reshape(6, 10) + comm.rank
+    view = base[:, ::3]  # strided
+    expected = sum(np.arange(60, dtype=np.float64).reshape(6, 10)[:, ::3] + k for k in range(p))
+    comm.all_reduce(view)
+    np.testing.assert_allclose(base[:, ::3], expected)
+    np.testing.assert_array_equal(base[:, 1], np.arange(60).reshape(6, 10)[:, 1] + comm.rank)  # untouched
+    # reduce-scatter flattens: chunks of the row-major order
+    grid = np.ones((p, 4), np.float32) * (comm.rank + 1)
+    np.testing.assert_allclose(comm.reduce_scatter(grid), np.full(4, p * (p + 1) / 2))
+    np.testing.assert_array_equal(comm.all_gather(grid[:1]).reshape(p, 4), np.repeat(np.arange(1, p + 1.0), 4).reshape(p, 4))
+
+
+def _byte_accounting():
+    comm = Communicator()
+    p, r = comm.size, comm.rank
+    totals = {}
+    for n in (12 * p, 12 * p + 5):  # divisible by p, and not
+        itemsize = 8
+        c = [b1 - b0 for b0, b1 in zip(chunk_bounds(n, p)[:-1], chunk_bounds(n, p)[1:])]
+        cases = {
+            "ring": (lambda x: comm.all_reduce(x, algorithm="ring"), "all_reduce", (2 * n - c[r] - c[(r + 1) % p]), 2 * (p - 1) * n),
+            "rs": (lambda x: comm.reduce_scatter(x), "reduce_scatter", n - c[r], (p - 1) * n),
+            "ag": (lambda x: comm.all_gather(x[:c[0]], sizes=[c[0]] * p), "all_gather", (p - 1) * c[0], p * (p - 1) * c[0]),
+        }
+        for key, (call, op, mine, total) in cases.items():
+            comm.reset_stats()
+            call(np.ones(n))
+            sent = comm.stats[op].bytes
+            assert sent == mine * itemsize, f"{key} n={n}: rank {r} sent {sent} bytes, formula {mine * itemsize}"
+            if n % p == 0 and key == "ring":
+                assert sent == 2 * (p - 1) * n * itemsize // p  # 2(p−1)/p·n
+            if n % p == 0 and key == "rs":
+                assert sent == (p - 1) * n * itemsize // p      # (p−1)/p·n
+            totals[(key, n)] = (comm.mpi.allreduce(sent), total * itemsize)
+        if p & (p - 1) == 0:  # recursive doubling: log₂p·n per rank
+            comm.reset_stats()
+            comm.all_reduce(np.ones(n), algorithm="recursive_doubling")
+            assert comm.stats["all_reduce"].bytes == (p.bit_length() - 1) * n * itemsize
+    for key, (got, want) in totals.items():
+        assert got == want, f"{key}: all ranks sent {got} bytes, formula {want}"
+    comm.reset_stats()
+    comm.all_reduce(np.ones(4))
+    assert comm.stats["all_reduce"].calls == 1 and comm.stats["all_reduce"].seconds > 0
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
+def test_collectives_match_mpi(p):
+    for fn in (_all_reduce_grid, _reduce_scatter_and_all_gather_grid, _broadcast_reduce_barrier_grid,
+               _non_contiguous_and_multidimensional, _byte_accounting):
+        run_ranks(p, fn, timeout=240)
+
+
+# ------------------------------------------------------------------------------ async and split
+
+
+def _async_progresses_without_wait():
+    comm = Communicator()
+    x = np.full(1 << 20, float(comm.rank))  # 8 MiB: the ring
+    handle = comm.all_reduce(x, async_op=True)
+    compute = np.random.default_rng(0).standard_normal((128, 128))
+    iterations = 0
+    while not handle.is_completed():  # the main thread never calls into MPI here
+        compute = np.tanh(compute @ compute * 0.01)
+        iterations += 1
+        assert iterations < 10**6, "async all-reduce made no progress while the caller computed"
+    assert handle.wait() is x
+    np.testing.assert_array_equal(x, sum(range(comm.size)))
+    # queued async work, then a blocking call: all run in order
+    bufs = [np.full(1000 + k, float(k + comm.rank)) for k in range(5)]
+    handles = [comm.all_reduce(b, op="max", async_op=True) for b in bufs]
+    y = comm.all_reduce(np.ones(3))
+    np.testing.assert_array_equal(y, comm.size)
+    for k, (h, b) in enumerate(zip(handles, bufs)):
+        h.wait()
+        np.testing.assert_array_equal(b, k + comm.size - 1)
+    gathered = comm.all_gather(np.array([comm.rank]), async_op=True).wait()
+    np.testing.assert_array_equal(gathered, np.arange(comm.size))
+
+
+def _split_and_p2p():
+    comm = Communicator()
+    r, p = comm.rank, comm.size
+    sub = comm.split(color=r % 2)
+    ref = comm.mpi.Split(r % 2, r).allreduce(r)
+    np.testing.assert_array_equal(sub.all_reduce(np.array([r])), [ref])
+    # point-to-point, including a strided source and destination
+    if p >= 2 and r < 2:
+        peer = 1 - r
+        out = np.arange(20.0).reshape(4, 5)[:, ::2] * (r + 1)
+        into = np.zeros((4, 5))
+        send = comm.isend(out, peer, tag=3)
+        recv = comm.irecv(into[:, ::2], peer, tag=3)
+        recv.wait()
+        send.wait()
+        np.testing.assert_array_equal(into[:, ::2], np.arange(20.0).reshape(4, 5)[:, ::2] * (peer + 1))
+        comm.send(np.array([r]), peer, tag=4)
+        got = comm.recv(np.empty(1, np.int64), peer, tag=4)
+        assert got[0] == peer and comm.stats["p2p"].bytes == out.nbytes + 8
+
+
+def _bad_arguments():
+    comm = Communicator()
+    with pytest.raises(ValueError, match="unknown reduction"):
+        comm.all_reduce(np.ones(2), op="prod")
+    with pytest.raises(TypeError, match="floating-point"):
+        comm.all_reduce(np.ones(2, np.int32), op="avg")
+    with pytest.raises(ValueError, match="root 9"):
+        comm.broadcast(np.ones(2), root=9)
+    with pytest.raises(ValueError, match="sizes"):
+        comm.all_gather(np.ones(2), sizes=[1] * comm.size)
+
+
+@pytest.mark.parametrize("p", [3, 4])
+def test_async_split_p2p(p):
+    run_ranks(p, _async_progresses_without_wait, timeout=120)
+    run_ranks(p, _split_and_p2p, timeout=60)
+    run_ranks(p, _bad_arguments, timeout=60)
+
+
+# ----------------------------------------------------------------------------------- debug mode
+
+
+def _mismatched_collectives():
+    comm = Communicator()
+    assert comm.debug
+    comm.all_reduce(np.ones(4))  # agreed: passes
+    try:
+        if comm.rank == 1:
+            comm.all_gather(np.ones(4, np.float32))
+        else:
+            comm.all_reduce(np.ones(4))
+    except CollectiveMismatch as e:
+        message = str(e)
+    else:
+        raise AssertionError("the mismatch went undetected")
+    assert "collective mismatch at #1" in message
+    assert "rank 0 called all_reduce(dtype=float64, shape=(4,)" in message
+    assert "rank 1 called all_gather(dtype=float32" in message and "test_collectives.py:" in message
+
+
+def _mismatched_shapes():
+    comm = Communicator()
+    try:
+        comm.all_reduce(np.ones(4 + (comm.rank == comm.size - 1)))
+    except CollectiveMismatch as e:
+        assert f"rank {comm.size - 1} called all_reduce(dtype=float64, shape=(5,)" in str(e)
+    else:
+        raise AssertionError("the shape mismatch went undetected")
+
+
+def _one_rank_skips():
+    comm = Communicator()
+    if comm.rank != 1:
+        try:
+            comm.all_reduce(np.ones(2))
+        except CollectiveMismatch as e:
+            assert "rank(s) [1] did not arrive within 2 s" in str(e)
+        else:
+            raise AssertionError("the missing rank went undetected")
+    MPI.COMM_WORLD.Barrier()
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_debug_mode_names_both_sides(p):
+    env = {"MINIPAR_DEBUG": "1", "MINIPAR_DEBUG_TIMEOUT": "2"}
+    run_ranks(p, _mismatched_collectives, env=env, timeout=60)
+    run_ranks(p, _mismatched_shapes, env=env, timeout=60)
+    run_ranks(p, _one_rank_skips, env=env, timeout=60)
+
+
+def test_chunk_bounds():
+    assert chunk_bounds(0, 3) == [0, 0, 0, 0]
+    assert chunk_bounds(2, 4) == [0, 1, 2, 2, 2]
+    assert chunk_bounds(10, 3) == [0, 4, 7, 10]
+    assert [len(a) for a in np.array_split(np.arange(10), 3)] == [4, 3, 3]
