@@ -53,6 +53,15 @@ class Context:
     def save_for_backward(self, *arrays: Any) -> None:
         self.saved = arrays
 
+    def input(self, i: int) -> Any:
+        """The i-th forward input's array *as it is now*.
+
+        Backward passes read parameters this way rather than saving them in forward: ZeRO-3 frees a
+        parameter's storage after forward and gathers it again just before backward.
+        """
+        value = self.inputs[i]
+        return value.data if isinstance(value, Tensor) else value
+
 
 class Tensor:
     """An xp array plus what autograd needs: ``grad``, ``requires_grad`` and the producing node."""

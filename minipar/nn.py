@@ -6,7 +6,7 @@ A parameter reachable twice (a tied embedding) is listed once, under its first n
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -23,8 +23,24 @@ class Parameter(Tensor):
 
 
 class Module:
+    _forward_pre_hooks: tuple = ()
+    _forward_hooks: tuple = ()
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.forward(*args, **kwargs)
+        for hook in self._forward_pre_hooks:
+            hook(self)
+        out = self.forward(*args, **kwargs)
+        for hook in self._forward_hooks:
+            out = hook(self, out)
+        return out
+
+    def register_forward_pre_hook(self, hook: Callable[[Module], None]) -> None:
+        """``hook(module)`` runs before every forward (ZeRO-3 gathers the module's parameters here)."""
+        self._forward_pre_hooks = (*self._forward_pre_hooks, hook)
+
+    def register_forward_hook(self, hook: Callable[[Module, Any], Any]) -> None:
+        """``out = hook(module, out)`` runs after every forward and may replace the output."""
+        self._forward_hooks = (*self._forward_hooks, hook)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError

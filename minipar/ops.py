@@ -3,8 +3,10 @@
 Elementwise ops broadcast like numpy; their backward sums the gradient over broadcast axes
 (:func:`unbroadcast`). The hot GPT ops are fused: one Function computes a whole layer norm,
 GELU, attention or cross-entropy, and its backward is the closed-form derivative, written with
-in-place updates to avoid temporaries. Every op is checked against finite differences in float64
-(tests/test_ops.py).
+in-place updates to avoid temporaries. Ops that take parameters (linear, layer norm, matmul) read
+them in backward with ``ctx.input(i)`` instead of saving them, so sharded data parallelism may
+release and re-gather parameter storage in between. Every op is checked against finite
+differences in float64 (tests/test_ops.py).
 """
 from __future__ import annotations
 
@@ -259,12 +261,11 @@ class MatMul(Function):
 
     @staticmethod
     def forward(ctx: Context, a: Any, b: Any) -> Any:
-        ctx.save_for_backward(a, b)
         return a @ b
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
-        a, b = ctx.saved
+        a, b = ctx.input(0), ctx.input(1)
         # numpy treats a 1-D a as a row (1, K) and a 1-D b as a column (K, 1); do the same, then drop the axis again
         a2, b2 = (a[None, :] if a.ndim == 1 else a), (b[:, None] if b.ndim == 1 else b)
         g2 = xp.expand_dims(g, -2) if a.ndim == 1 else g
@@ -282,29 +283,32 @@ class MatMul(Function):
 
 
 class Linear(Function):
-    """y = x W + b with W of shape (in, out) (GPT-2's Conv1D layout).
+    """y = x W + b with W of shape (in, out) (GPT-2's Conv1D layout), or y = x Wᵀ + b when
+    ``transposed`` (W of shape (out, in): the tied LM head reusing the (vocab, C) embedding).
 
-    Backward, with x flattened to (N, in):  dx = g Wᵀ,  dW = xᵀ g,  db = Σ_rows g.
-    Costs 2·N·in·out FLOPs forward and twice that backward.
+    Backward, with x flattened to (N, in) and W in (in, out) form:  dx = g Wᵀ,  dW = xᵀ g,
+    db = Σ_rows g. Costs 2·N·in·out FLOPs forward and twice that backward.
     """
 
     @staticmethod
-    def forward(ctx: Context, x: Any, w: Any, b: Any = None) -> Any:
-        ctx.save_for_backward(x, w)
-        ctx.has_bias = b is not None
-        out = x.reshape(-1, x.shape[-1]) @ w
+    def forward(ctx: Context, x: Any, w: Any, b: Any = None, transposed: bool = False) -> Any:
+        ctx.transposed, ctx.has_bias = transposed, b is not None
+        out = x.reshape(-1, x.shape[-1]) @ (w.T if transposed else w)
         if b is not None:
             out += b
-        return out.reshape(*x.shape[:-1], w.shape[1])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
-        x, w = ctx.saved
-        g2 = g.reshape(-1, g.shape[-1])
-        gx = (g2 @ w.T).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        gw = x.reshape(-1, x.shape[-1]).T @ g2 if ctx.needs_input_grad[1] else None
+        x, w = ctx.input(0), ctx.input(1)
+        w_in_out = w.T if ctx.transposed else w
+        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        gx = (g2 @ w_in_out.T).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            gw = g2.T @ x2 if ctx.transposed else x2.T @ g2
         gb = g2.sum(axis=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
+        return gx, gw, gb, None
 
 
 # ------------------------------------------------------------------------------ fused network ops
@@ -354,14 +358,14 @@ class LayerNorm(Function):
         xp.sqrt(rstd, out=rstd)
         xp.reciprocal(rstd, out=rstd)
         xhat *= rstd
-        ctx.save_for_backward(xhat, rstd, w)
+        ctx.save_for_backward(xhat, rstd)
         y = xhat * w
         y += b
         return y
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
-        xhat, rstd, w = ctx.saved
+        (xhat, rstd), w = ctx.saved, ctx.input(1)
         n = xhat.shape[-1]
         g2, xhat2 = g.reshape(-1, n), xhat.reshape(-1, n)
         gw = (g2 * xhat2).sum(axis=0) if ctx.needs_input_grad[1] else None
@@ -543,7 +547,7 @@ def transpose(a, axes=None) -> Tensor: return Transpose.apply(a, axes)
 def getitem(a, index) -> Tensor: return GetItem.apply(a, index.data if isinstance(index, Tensor) else index)
 def concat(tensors: Sequence, axis: int = 0) -> Tensor: return Concat.apply(*tensors, axis=axis)
 def matmul(a, b) -> Tensor: return MatMul.apply(a, b)
-def linear(x, w, b=None) -> Tensor: return Linear.apply(x, w, b)
+def linear(x, w, b=None, transposed: bool = False) -> Tensor: return Linear.apply(x, w, b, transposed)
 def softmax(x, axis: int = -1) -> Tensor: return Softmax.apply(x, axis)
 def layer_norm(x, w, b, eps: float = 1e-5) -> Tensor: return LayerNorm.apply(x, w, b, eps)
 def gelu(x) -> Tensor: return GELU.apply(x)

@@ -57,6 +57,7 @@ def test_matmul(shapes):
 def test_linear():
     gradcheck(ops.linear, randn(2, 3, 4), randn(4, 5), randn(5))
     gradcheck(ops.linear, randn(3, 4), randn(4, 5))
+    gradcheck(lambda x, w: ops.linear(x, w, transposed=True), randn(2, 3, 4), randn(5, 4))  # x Wᵀ: the tied head
 
 
 def test_softmax():

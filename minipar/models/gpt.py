@@ -112,11 +112,10 @@ class GPT(Module):
         T = idx.shape[1]
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        wte, wpe = self.transformer.wte, self.transformer.wpe
-        return wte(idx) + wpe.weight[:T]
+        return self.transformer.wte(idx) + self.transformer.wpe(xp.arange(T))
 
     def head(self, x: Tensor, targets: Any = None) -> tuple[Tensor, Tensor | None]:
-        logits = self.transformer.ln_f(x) @ self.transformer.wte.weight.T
+        logits = ops.linear(self.transformer.ln_f(x), self.transformer.wte.weight, transposed=True)
         loss = ops.cross_entropy(logits, targets) if targets is not None else None
         return logits, loss
 
