@@ -56,6 +56,45 @@ def _keep_freed_memory_in_the_heap() -> None:
 
 _keep_freed_memory_in_the_heap()
 
+_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+_OPENBLAS_SETTERS = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_",
+                     "scipy_openblas_set_num_threads_64_", "openblas_set_num_threads64_")
+
+
+def share_cores(local_ranks: int) -> int:
+    """Give each of ``local_ranks`` processes on this machine its share of the cores for BLAS.
+
+    OpenBLAS starts one busy-waiting thread per core in *every* process; k ranks on c cores then
+    run k·c spinning threads and a step slows down tens of times (measured here: 195 ms instead
+    of 7 ms for 2 ranks on 2 cores). Like ``torchrun`` setting OMP_NUM_THREADS, each rank gets
+    max(1, c // k) threads — unless the user set one of the thread variables, which wins. Returns
+    the count chosen (0: left to the user). Works after numpy is loaded by calling OpenBLAS's
+    own setter.
+    """
+    import os
+
+    if any(v in os.environ for v in _THREAD_VARS):
+        return 0
+    threads = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
+    for var in _THREAD_VARS:
+        os.environ[var] = str(threads)  # for child processes and libraries loaded later
+    _set_loaded_openblas_threads(threads)
+    return threads
+
+
+def _set_loaded_openblas_threads(threads: int) -> None:
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        libraries = {line.split()[-1] for line in maps if "openblas" in line.lower() and "/" in line}
+    for path in libraries:
+        lib = ctypes.CDLL(path)
+        for name in _OPENBLAS_SETTERS:
+            setter = getattr(lib, name, None)
+            if setter is not None:
+                setter(ctypes.c_int(threads))
+                break
+
 
 def set_device(device: str) -> None:
     """Select ``"cpu"`` (numpy) or ``"gpu"`` (cupy) for all subsequent array creation."""

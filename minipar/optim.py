@@ -13,14 +13,14 @@ from minipar.nn import Parameter
 
 
 def adamw_update(p: Any, g: Any, m: Any, v: Any, *, step: int, lr: float, beta1: float, beta2: float,
-                 eps: float, weight_decay: float) -> None:
+                 eps: float, weight_decay: Any) -> None:
     """AdamW (Loshchilov & Hutter), in place on ``p``, ``m``, ``v``; ``step`` counts from 1.
 
         p ← p − lr·λ·p                                      (decoupled weight decay)
         m ← β₁ m + (1 − β₁) g,    v ← β₂ v + (1 − β₂) g²
         p ← p − lr · m̂ / (√v̂ + ε),  m̂ = m / (1 − β₁ᵗ),  v̂ = v / (1 − β₂ᵗ)
     """
-    if weight_decay:
+    if not (isinstance(weight_decay, float) and weight_decay == 0.0):  # an array: per-element decay (ZeRO shards)
         p *= 1.0 - lr * weight_decay
     m *= beta1
     m += (1.0 - beta1) * g
@@ -52,6 +52,13 @@ class Optimizer:
         for p in self.params:
             p.grad = None
 
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Clip the global gradient norm of the parameters this optimizer updates; returns the norm before."""
+        return clip_grad_norm(self.params, max_norm)
+
+    def state_arrays(self) -> list[Any]:
+        return []
+
 
 class AdamW(Optimizer):
     """AdamW; weight decay applies to matrices only (not to biases, layer norms' gains), as in GPT-2/3."""
@@ -60,9 +67,12 @@ class AdamW(Optimizer):
                  eps: float = 1e-8, weight_decay: float = 0.1):
         super().__init__(params, lr)
         self.beta1, self.beta2 = betas
-        self.eps, self.weight_decay = eps, weight_decay
+        self.eps, self.weight_decay = eps, float(weight_decay)
         self.m = [xp.zeros_like(p.data) for p in self.params]
         self.v = [xp.zeros_like(p.data) for p in self.params]
+
+    def state_arrays(self) -> list[Any]:
+        return self.m + self.v
 
     def step(self) -> None:
         self.step_count += 1
@@ -78,6 +88,9 @@ class SGD(Optimizer):
         super().__init__(params, lr)
         self.momentum, self.weight_decay = momentum, weight_decay
         self.buffers = [xp.zeros_like(p.data) if momentum else None for p in self.params]
+
+    def state_arrays(self) -> list[Any]:
+        return [b for b in self.buffers if b is not None]
 
     def step(self) -> None:
         self.step_count += 1

@@ -3,10 +3,15 @@
 One step:  for each of m microbatches: forward, loss/m, backward (gradients accumulate)
            → clip the global gradient norm → AdamW with the cosine learning rate.
 Rank 0 prints one progress line per step (or one JSON object with ``--json``).
+
+Under ``mpiexec -n p`` with ``--dp p`` every rank trains on its rows of the global batch through
+DataParallel (``--zero 0``) or ZeRO stage 1-3; the step is the same code either way:
+engine(x, y) → backward → engine.sync_gradients() → clip → optimizer.step().
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from typing import Any
@@ -15,9 +20,12 @@ import numpy as np
 
 from minipar.autograd import no_grad
 from minipar.backend import set_device
-from minipar.data import Batches, load_tokens, split_tokens
+from minipar.comm import Communicator
+from minipar.data import Batches, load_tokens, shard_rows, split_tokens
 from minipar.models.gpt import GPT, GPTConfig
-from minipar.optim import AdamW, clip_grad_norm, cosine_lr
+from minipar.optim import AdamW, cosine_lr
+from minipar.parallel.data_parallel import DataParallel
+from minipar.parallel.zero import ZeRO
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,20 +60,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     par.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
-    par.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage")
+    par.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (with --dp)")
+    par.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for DP / ZeRO-1/2")
     par.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto timeline")
 
 
-def validate(args: argparse.Namespace) -> None:
-    """Reject bad input before anything is built or communicated."""
-    for name in ("steps", "batch_size", "microbatches", "block_size", "dp", "tp", "pp"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.batch_size % args.microbatches:
-        raise ValueError(f"--batch-size {args.batch_size} is not divisible by --microbatches {args.microbatches}")
-    if (args.dp, args.tp, args.pp, args.zero) != (1, 1, 1, 0) or args.trace:
-        raise ValueError("parallel training (--dp/--tp/--pp/--zero/--trace) is not implemented in this build yet; "
-                         "run single-process")
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    """Reject bad input before anything is built or communicated (every rank reaches the same verdict)."""
+    for name in ("steps", "batch_size", "microbatches", "block_size", "dp", "tp", "pp", "bucket_mb"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.dp * args.tp * args.pp != world_size:
+        raise ValueError(f"world size {world_size} != dp·tp·pp = {args.dp}·{args.tp}·{args.pp}; "
+                         f"launch with mpiexec -n {args.dp * args.tp * args.pp}")
+    if args.batch_size % (args.dp * args.microbatches):
+        raise ValueError(f"--batch-size {args.batch_size} is not divisible by --dp·--microbatches "
+                         f"= {args.dp}·{args.microbatches}")
+    if args.tp > 1 or args.pp > 1 or args.trace:
+        raise ValueError("--tp, --pp and --trace are not implemented in this build yet; use --dp and --zero")
+    if args.zero and args.dp == 1:
+        raise ValueError("--zero shards over data-parallel ranks: it needs --dp >= 2")
 
 
 def build_model(args: argparse.Namespace) -> GPT:
@@ -76,9 +90,22 @@ def build_model(args: argparse.Namespace) -> GPT:
     return GPT(cfg, seed=args.seed)
 
 
-def evaluate(model: GPT, batches: Batches, n_batches: int) -> float:
+def build_engine(model: GPT, comm: Communicator, args: argparse.Namespace) -> tuple[Any, Any]:
+    """(engine, optimizer): DataParallel + AdamW, or ZeRO, which is both."""
+    if args.zero:
+        engine = ZeRO(model, comm, args.zero, lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb)
+        return engine, engine
+    return DataParallel(model, comm, args.bucket_mb), AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+
+
+def evaluate(engine: Any, comm: Communicator, batches: Batches, n_batches: int) -> float:
+    """Mean validation loss over ``n_batches`` fixed batches, each rank scoring its rows."""
+    losses = []
     with no_grad():
-        return float(np.mean([model(*batches(i))[1].item() for i in range(n_batches)]))  # the same batches every time
+        for i in range(n_batches):
+            x, y = batches(i)
+            losses.append(engine(shard_rows(x, comm.rank, comm.size), shard_rows(y, comm.rank, comm.size))[1].item())
+    return float(comm.all_reduce(np.array([np.mean(losses)]), op="avg", label="loss")[0])
 
 
 def report(record: dict[str, Any], as_json: bool) -> None:
@@ -87,13 +114,19 @@ def report(record: dict[str, Any], as_json: bool) -> None:
     elif "val_loss" in record:
         print(f"eval step {record['step']:>5} | val loss {record['val_loss']:.4f}", flush=True)
     else:
+        comm = ""
+        if record["world"] > 1:
+            comm = (f" | comm {record['comm_bytes'] / 1e6:.2f} MB (formula {record['comm_formula_bytes'] / 1e6:.2f})"
+                    f" | state {sum(record['model_state_bytes'].values()) / 1e6:.2f} MB")
         print(f"step {record['step']:>5}/{record['steps']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-              f"norm {record['grad_norm']:.3f} | {record['tokens_per_s']:>8,.0f} tok/s | {record['ms']:7.1f} ms", flush=True)
+              f"norm {record['grad_norm']:.3f} | {record['tokens_per_s']:>8,.0f} tok/s | {record['ms']:7.1f} ms{comm}",
+              flush=True)
 
 
 def train(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Run the training job described by ``args``; returns the per-step records it printed."""
-    validate(args)
+    """Run the training job described by ``args`` on every rank; returns the per-step records."""
+    comm = Communicator()
+    validate(args, comm.size)
     set_device(args.device)
     tokens = load_tokens(args.data)
     model = build_model(args)
@@ -101,37 +134,52 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     train_tokens, val_tokens = split_tokens(tokens)
     batches = Batches(train_tokens, args.batch_size, block, seed=args.seed)
     val_batches = Batches(val_tokens, args.batch_size, block, seed=args.seed + 1) if len(val_tokens) > block + 2 else None
-    opt = AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    m = args.microbatches
-    if not args.json:
-        print(f"minipar: GPT {model.num_parameters():,} params (L={model.config.n_layer} H={model.config.n_head} "
+    n_params = model.num_parameters()
+    engine, optimizer = build_engine(model, comm, args)
+    m, lead = args.microbatches, comm.rank == 0
+    if lead and not args.json:
+        mode = f", dp={comm.size}" + (f" zero-{args.zero}" if args.zero else "") if comm.size > 1 else ""
+        print(f"minipar: GPT {n_params:,} params (L={model.config.n_layer} H={model.config.n_head} "
               f"C={model.config.n_embd} T={block}), {len(tokens):,} tokens, batch {args.batch_size}×{block}, "
-              f"{args.dtype} on {args.device}", flush=True)
+              f"{args.dtype} on {args.device}{mode}", flush=True)
 
     records = []
     for step in range(args.steps):
         t0 = time.perf_counter()
+        comm.reset_stats()
         x, y = batches(step)
+        x, y = shard_rows(x, comm.rank, comm.size), shard_rows(y, comm.rank, comm.size)
         loss_sum = 0.0
-        for xs, ys in zip(np.split(x, m), np.split(y, m)):
-            _, loss = model(xs, ys)
-            (loss * (1.0 / m)).backward()
+        for micro, (xs, ys) in enumerate(zip(np.split(x, m), np.split(y, m))):
+            with engine.no_sync() if micro < m - 1 else contextlib.nullcontext():
+                _, loss = engine(xs, ys)
+                (loss * (1.0 / m)).backward()
             loss_sum += loss.item()
-        norm = clip_grad_norm(model.parameters(), args.grad_clip)
-        opt.lr = cosine_lr(step, max_lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps, min_lr=args.min_lr)
-        opt.step()
-        opt.zero_grad()
+        engine.sync_gradients()
+        norm = optimizer.clip_grad_norm(args.grad_clip)
+        optimizer.lr = cosine_lr(step, max_lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps, min_lr=args.min_lr)
+        optimizer.step()
+        state_bytes = engine.model_state_bytes(optimizer)
+        optimizer.zero_grad()
+        training_bytes = comm.bytes_sent("grads") + comm.bytes_sent("params")
+        mean_loss = float(comm.all_reduce(np.array([loss_sum / m]), op="avg", label="loss")[0])
         ms = (time.perf_counter() - t0) * 1e3
-        record = {"step": step + 1, "steps": args.steps, "loss": loss_sum / m, "lr": opt.lr, "grad_norm": norm,
-                  "tokens_per_s": x.size / (ms / 1e3), "ms": ms}
+        record = {"step": step + 1, "steps": args.steps, "loss": mean_loss, "lr": optimizer.lr, "grad_norm": norm,
+                  "tokens_per_s": args.batch_size * block / (ms / 1e3), "ms": ms, "world": comm.size,
+                  "comm_bytes": training_bytes, "comm_formula_bytes": engine.formula_bytes() if comm.size > 1 else 0.0,
+                  "comm_bytes_by_op": {k: v.bytes for k, v in comm.stats.items()}, "model_state_bytes": state_bytes}
         records.append(record)
-        report(record, args.json)
+        if lead:
+            report(record, args.json)
         if val_batches and args.eval_interval and ((step + 1) % args.eval_interval == 0 or step + 1 == args.steps):
-            val = {"step": step + 1, "val_loss": evaluate(model, val_batches, args.eval_batches)}
+            val = {"step": step + 1, "val_loss": evaluate(engine, comm, val_batches, args.eval_batches)}
             records.append(val)
-            report(val, args.json)
+            if lead:
+                report(val, args.json)
     if args.out:
-        model.save_hf(args.out)
-        if not args.json:
-            print(f"saved {args.out}/model.safetensors and config.json", flush=True)
+        state = engine.gathered_state_dict() if args.zero else model.state_dict()
+        if lead:
+            model.save_hf(args.out, state)
+            if not args.json:
+                print(f"saved {args.out}/model.safetensors and config.json", flush=True)
     return records

@@ -55,8 +55,8 @@ def test_text_progress_line():
 @pytest.mark.parametrize("args,message", [
     (["train", "--n-embd", "30", "--n-head", "4"], "divisible by n_head"),
     (["train", "--data", "/no/such/file"], "data file not found"),
-    (["train", "--batch-size", "6", "--microbatches", "4"], "not divisible by --microbatches"),
-    (["train", "--steps", "0"], "--steps must be >= 1"),
+    (["train", "--batch-size", "6", "--microbatches", "4"], "not divisible by --dp·--microbatches"),
+    (["train", "--steps", "0"], "--steps must be positive"),
     (["train", "--no-such-flag"], "unrecognized arguments"),
     (["generate", "--ckpt", "/no/such/dir"], "no config.json"),
 ])

@@ -15,6 +15,10 @@ makes the blocking MPI calls (mpi4py releases the GIL inside them, numpy release
 reductions), so communication progresses while the main thread computes. Needs
 MPI_THREAD_MULTIPLE, which mpi4py requests by default.
 
+Cores. Creating the world communicator with p > 1 ranks calls ``backend.share_cores`` so the
+ranks on one machine split its cores for BLAS instead of oversubscribing them (an explicit
+OPENBLAS_NUM_THREADS / OMP_NUM_THREADS wins).
+
 Arrays. Messages travel as raw bytes, so any numpy dtype works; reductions are numpy ufuncs on
 the host. cupy arrays are staged: copied to the host (which synchronizes the stream) before any
 MPI call and copied back after.
@@ -38,7 +42,7 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from minipar.backend import on_gpu, to_host
+from minipar.backend import on_gpu, share_cores, to_host
 from minipar.comm import collectives as algo
 
 COLLECTIVE_TAG_BASE = 1 << 16  # user point-to-point tags must stay below this
@@ -122,6 +126,10 @@ class Communicator:
         self._worker: _Worker | None = None
         self._local = threading.local()  # which operation the running thread is inside
         self._stats_lock = threading.Lock()
+        if mpi_comm is None and self.size > 1:
+            node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
+            share_cores(node.Get_size())
+            node.Free()
 
     def __repr__(self) -> str:
         return f"Communicator({self.name}, rank {self.rank} of {self.size})"
@@ -189,19 +197,22 @@ class Communicator:
         return _RequestHandle(request, keep_alive=host, on_complete=finish, result=x)
 
     # ------------------------------------------------------------------------------ collectives
-    def all_reduce(self, x: Any, op: str = "sum", async_op: bool = False, algorithm: str | None = None) -> Any:
+    def all_reduce(self, x: Any, op: str = "sum", async_op: bool = False, algorithm: str | None = None,
+                   label: str | None = None) -> Any:
         """Reduce ``x`` over all ranks, in place; every rank ends with the result (returns ``x``).
 
         ``algorithm``: "ring" (2(p−1)/p·n bytes sent per rank), "recursive_doubling" (log₂p·n),
-        or None to choose by size (recursive doubling up to ``SMALL_MESSAGE_BYTES``).
+        or None to choose by size (recursive doubling up to ``SMALL_MESSAGE_BYTES``). ``label``
+        (every collective takes one) files the call's bytes and time under that name in ``stats``
+        instead of the operation's, e.g. "grads" vs "loss".
         """
         self._check_op(op, x)
         if algorithm is None:
             algorithm = "recursive_doubling" if x.nbytes <= algo.SMALL_MESSAGE_BYTES else "ring"
         run = {"ring": algo.ring_all_reduce, "recursive_doubling": algo.recursive_doubling_all_reduce}[algorithm]
-        return self._collective("all_reduce", x, async_op, lambda buf, tag: run(self, buf, op, tag), op=op)
+        return self._collective("all_reduce", x, async_op, lambda buf, tag: run(self, buf, op, tag), label, op=op)
 
-    def reduce_scatter(self, x: Any, op: str = "sum", async_op: bool = False) -> Any:
+    def reduce_scatter(self, x: Any, op: str = "sum", async_op: bool = False, label: str | None = None) -> Any:
         """Reduce ``x`` (flattened, n elements) over all ranks; rank r returns chunk r as a new 1-D array.
 
         Chunks follow ``numpy.array_split(n, p)``. Ring: p−1 steps, (p−1)/p·n bytes sent per rank.
@@ -213,11 +224,12 @@ class Communicator:
             work = buf.copy()  # the ring reduces in place; x stays as it was
             algo.ring_reduce_scatter(self, work, op, tag)
             b = algo.chunk_bounds(work.size, self.size)
-            return work[b[self.rank]:b[self.rank + 1]]
+            return work[b[self.rank]:b[self.rank + 1]].copy()  # a view would keep all n elements alive
 
-        return self._collective("reduce_scatter", x, async_op, run, op=op, in_place=False)
+        return self._collective("reduce_scatter", x, async_op, run, label, op=op, in_place=False)
 
-    def all_gather(self, x: Any, sizes: list[int] | None = None, async_op: bool = False) -> Any:
+    def all_gather(self, x: Any, sizes: list[int] | None = None, async_op: bool = False,
+                   label: str | None = None) -> Any:
         """Concatenate every rank's ``x`` (flattened) in rank order; returns a new 1-D array on every rank.
 
         ``sizes[r]`` is rank r's element count (default: all equal to ``x.size``). Ring: p−1 steps,
@@ -234,15 +246,15 @@ class Communicator:
             algo.ring_all_gather(self, out, tag, bounds)
             return out
 
-        return self._collective("all_gather", x, async_op, run, in_place=False, same_shape=False, sizes=sizes)
+        return self._collective("all_gather", x, async_op, run, label, in_place=False, same_shape=False, sizes=sizes)
 
-    def broadcast(self, x: Any, root: int = 0, async_op: bool = False) -> Any:
+    def broadcast(self, x: Any, root: int = 0, async_op: bool = False, label: str | None = None) -> Any:
         """Root's ``x`` into every rank's ``x`` (binomial tree, ⌈log₂p⌉ rounds); returns ``x``."""
         self._check_root(root)
         return self._collective("broadcast", x, async_op, lambda buf, tag: algo.binomial_broadcast(self, buf, root, tag),
-                                root=root)
+                                label, root=root)
 
-    def reduce(self, x: Any, op: str = "sum", root: int = 0, async_op: bool = False) -> Any:
+    def reduce(self, x: Any, op: str = "sum", root: int = 0, async_op: bool = False, label: str | None = None) -> Any:
         """Reduce onto ``root``'s ``x`` in place (binomial tree); other ranks' ``x`` is unchanged."""
         self._check_op(op, x)
         self._check_root(root)
@@ -251,11 +263,11 @@ class Communicator:
             work = buf if self.rank == root else buf.copy()
             algo.binomial_reduce(self, work, op, root, tag)
 
-        return self._collective("reduce", x, async_op, run, op=op, root=root)
+        return self._collective("reduce", x, async_op, run, label, op=op, root=root)
 
     def barrier(self) -> None:
         """Returns on every rank only once all ranks have entered (dissemination, ⌈log₂p⌉ rounds)."""
-        self._collective("barrier", np.empty(0, np.uint8), False, lambda buf, tag: algo.dissemination_barrier(self, tag))
+        self._collective("barrier", np.empty(0, np.uint8), False, lambda buf, tag: algo.dissemination_barrier(self, tag), None)
 
     # ------------------------------------------------------------------------------- machinery
     def _check_op(self, op: str, x: Any) -> None:
@@ -268,9 +280,9 @@ class Communicator:
         if not 0 <= root < self.size:
             raise ValueError(f"root {root} is not a rank of this {self.size}-rank communicator")
 
-    def _collective(self, name: str, x: Any, async_op: bool, run: Callable[[np.ndarray, int], Any],
+    def _collective(self, name: str, x: Any, async_op: bool, run: Callable[[np.ndarray, int], Any], label: str | None,
                     in_place: bool = True, same_shape: bool = True, **details: Any) -> Any:
-        """Run ``run(contiguous 1-D host buffer, tag)`` as collective ``name``, in call order, accounted."""
+        """Run ``run(contiguous 1-D host buffer, tag)`` as collective ``name``, in call order, accounted under ``label or name``."""
         sequence = self._sequence
         self._sequence += 1
         tag = COLLECTIVE_TAG_BASE + sequence % (1 << 14)
@@ -279,8 +291,10 @@ class Communicator:
             signature = {"seq": sequence, "op": name, "dtype": str(x.dtype), "shape": list(x.shape) if same_shape else None,
                          "details": dict(details), "site": _call_site()}
 
+        key = label or name
+
         def execute() -> Any:
-            self._local.op = name
+            self._local.op = key
             start = time.perf_counter()
             try:
                 if signature is not None:
@@ -293,7 +307,7 @@ class Communicator:
                     x[...] = _like(x, buf.reshape(x.shape))
                 return x
             finally:
-                self._record(name, seconds=time.perf_counter() - start, call=True)
+                self._record(key, seconds=time.perf_counter() - start, call=True)
                 self._local.op = None
 
         if async_op:
@@ -338,11 +352,11 @@ class Communicator:
             self.mpi.Send([np.frombuffer(mine, np.uint8).copy(), MPI.BYTE], 0, _DEBUG_TAG)
             answer = np.empty(4096, np.uint8)
             request = {0: self.mpi.Irecv([answer, MPI.BYTE], 0, _VERDICT_TAG)}
-            _wait_all(request, deadline)
+            _wait_all(request, deadline + self.debug_timeout + 1.0)  # rank 0 may wait a full timeout for others first
             if not request[0].Test():
                 request[0].Cancel()
                 raise CollectiveMismatch(f"collective #{signature['seq']} {signature['op']} at {signature['site']}: "
-                                         f"rank 0 did not answer within {self.debug_timeout:.0f} s")
+                                         f"rank 0 did not answer within {2 * self.debug_timeout + 1:.0f} s")
             verdict = bytes(answer).decode(errors="replace").rstrip()
         if verdict:
             raise CollectiveMismatch(verdict)

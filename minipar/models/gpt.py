@@ -164,8 +164,11 @@ class GPT(Module):
         model.load_state_dict(state)
         return model
 
-    def save_hf(self, directory: str) -> None:
-        """Write ``config.json`` + ``model.safetensors`` that ``GPT2LMHeadModel.from_pretrained`` loads."""
+    def save_hf(self, directory: str, state: dict[str, np.ndarray] | None = None) -> None:
+        """Write ``config.json`` + ``model.safetensors`` that ``GPT2LMHeadModel.from_pretrained`` loads.
+
+        ``state`` (default: this model's ``state_dict()``) lets a sharded run save the parameters it gathered.
+        """
         os.makedirs(directory, exist_ok=True)
         cfg = self.config
         hf = {
@@ -178,7 +181,7 @@ class GPT(Module):
             "bos_token_id": cfg.vocab_size - 1, "eos_token_id": cfg.vocab_size - 1,
             "torch_dtype": cfg.dtype, "minipar": asdict(cfg),
         }
-        write_safetensors(os.path.join(directory, "model.safetensors"), self.state_dict())
+        write_safetensors(os.path.join(directory, "model.safetensors"), state if state is not None else self.state_dict())
         tmp = os.path.join(directory, f"config.json.tmp-{os.getpid()}")
         with open(tmp, "w") as f:
             json.dump(hf, f, indent=2)

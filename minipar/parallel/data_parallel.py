@@ -1,0 +1,168 @@
+"""Data parallelism (DDP): every rank holds the whole model and a slice of the batch; gradients are
+averaged with all-reduce, bucket by bucket, while backward is still running.
+
+    model = DataParallel(GPT(cfg), comm, bucket_mb=25)   # rank 0's parameters broadcast to all
+    _, loss = model(x_local, y_local)                    # x_local: this rank's rows of the global batch
+    loss.backward()                                      # buckets all-reduce as soon as they fill
+    model.sync_gradients()                               # wait; p.grad = the average over ranks
+    optimizer.step()
+
+Why it equals single-process training: rank r's loss is the mean over its B/p rows, so
+(1/p) Σ_r ∇L_r = ∇ (mean over all B rows) = the single-process gradient.
+
+Buckets. Parameters are grouped, in the order their gradients become final in backward (the
+reverse of the forward order), into flat buffers of about ``bucket_mb``. A gradient hook copies
+each final gradient into its bucket; the moment a bucket is complete its ring all-reduce starts on
+the communication thread, overlapping with the backward of earlier layers. Each rank sends
+2(p−1)/p·Ψ·itemsize bytes per step for Ψ parameters. Afterwards ``p.grad`` is a view of its
+bucket (no extra copy).
+
+Gradient accumulation: inside ``with model.no_sync():`` hooks do nothing and gradients simply
+accumulate in ``p.grad``; the next backward outside it averages the accumulated sum.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import numpy as np
+
+from minipar.backend import xp
+from minipar.comm import Communicator, Handle
+from minipar.nn import Module, Parameter
+
+
+class Bucket:
+    """Parameters whose gradients travel together as one flat buffer of ``size`` elements."""
+
+    def __init__(self, params: list[Parameter]):
+        self.params = params
+        self.shapes = [p.shape for p in params]  # kept: ZeRO-3 empties the parameters themselves
+        self.offsets = np.cumsum([0] + [p.size for p in params]).tolist()
+        self.size = self.offsets[-1]
+        self.dtype = params[0].dtype
+        self.buffer: Any = None      # the flat gradient while it is being assembled / reduced
+        self.handle: Handle | None = None
+        self.ready = 0               # how many of its parameters have a final gradient
+
+    def slot(self, flat: Any, i: int) -> Any:
+        """The piece of a flat buffer that belongs to parameter i, shaped like it."""
+        return flat[self.offsets[i]:self.offsets[i + 1]].reshape(self.shapes[i])
+
+    def flatten(self, arrays: list[Any]) -> Any:
+        return xp.concatenate([a.reshape(-1) for a in arrays]) if arrays else xp.zeros(0, self.dtype)
+
+
+def make_buckets(params: list[Parameter], bucket_bytes: float) -> list[Bucket]:
+    """Consecutive runs of ``params`` (already in gradient-ready order) of about ``bucket_bytes`` each."""
+    buckets, current, size = [], [], 0
+    for p in params:
+        if current and (size + p.data.nbytes > bucket_bytes or p.dtype != current[0].dtype):
+            buckets.append(Bucket(current))
+            current, size = [], 0
+        current.append(p)
+        size += p.data.nbytes
+    if current:
+        buckets.append(Bucket(current))
+    return buckets
+
+
+def gradient_ready_order(model: Module) -> list[Parameter]:
+    """The order in which backward finalizes gradients: the reverse of the forward (registration) order."""
+    return list(reversed(model.parameters()))
+
+
+def live_bytes(arrays: list[Any]) -> int:
+    """Bytes held by the distinct buffers behind ``arrays`` (views count their whole base once)."""
+    bases = {}
+    for a in arrays:
+        if a is None:
+            continue
+        while getattr(a, "base", None) is not None:
+            a = a.base
+        bases[id(a)] = a.nbytes
+    return sum(bases.values())
+
+
+def broadcast_parameters(params: list[Parameter], comm: Communicator) -> None:
+    """Rank 0's parameters to every rank, one flat buffer per dtype (binomial tree: ⌈log₂p⌉ rounds)."""
+    if comm.size == 1:
+        return
+    for group in make_buckets(params, float("inf")):
+        flat = comm.broadcast(group.flatten([p.data for p in group.params]), root=0, label="broadcast_params")
+        for i, p in enumerate(group.params):
+            p.data[...] = group.slot(flat, i)
+
+
+class DataParallel:
+    def __init__(self, model: Module, comm: Communicator, bucket_mb: float = 25.0):
+        self.module, self.comm = model, comm
+        self.params = model.parameters()
+        self._sync = True
+        broadcast_parameters(self.params, comm)
+        self.buckets = make_buckets(gradient_ready_order(model), bucket_mb * 2**20)
+        if comm.size > 1:
+            for bucket in self.buckets:
+                for i, p in enumerate(bucket.params):
+                    p.register_hook(lambda p, bucket=bucket, i=i: self._gradient_ready(bucket, i))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def parameters(self) -> list[Parameter]:
+        return self.params
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without communicating."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _gradient_ready(self, bucket: Bucket, i: int) -> None:
+        if not self._sync:
+            return
+        if bucket.buffer is None:
+            bucket.buffer = xp.empty(bucket.size, dtype=bucket.dtype)
+        bucket.slot(bucket.buffer, i)[...] = bucket.params[i].grad
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.handle = self.comm.all_reduce(bucket.buffer, op="avg", async_op=True, algorithm="ring", label="grads")
+
+    def sync_gradients(self) -> None:
+        """Wait for every bucket's all-reduce; afterwards each ``p.grad`` is the average over ranks.
+
+        A bucket some of whose parameters got no gradient (unused in this forward) is reduced here,
+        with zeros for the missing ones, in bucket order — the same order on every rank.
+        """
+        if self.comm.size == 1:
+            return
+        for bucket in self.buckets:
+            if bucket.handle is None:
+                if bucket.buffer is None:
+                    bucket.buffer = xp.zeros(bucket.size, dtype=bucket.dtype)
+                for i, p in enumerate(bucket.params):
+                    if p.grad is None:
+                        bucket.slot(bucket.buffer, i)[...] = 0
+                self._launch(bucket)
+        for bucket in self.buckets:
+            bucket.handle.wait()
+            for i, p in enumerate(bucket.params):
+                p.grad = bucket.slot(bucket.buffer, i)
+            bucket.handle, bucket.ready = None, 0
+
+    def formula_bytes(self) -> float:
+        """Bytes one rank should send per synchronized step: ring all-reduce of Ψ elements, 2(p−1)/p·Ψ·itemsize."""
+        p = self.comm.size
+        return 2 * (p - 1) / p * sum(b.size * np.dtype(b.dtype).itemsize for b in self.buckets)
+
+    def model_state_bytes(self, optimizer: Any) -> dict[str, int]:
+        """Counted bytes of the live parameter, gradient and optimizer-state arrays on this rank."""
+        grads = [p.grad for p in self.params] + [b.buffer for b in self.buckets]
+        return {"params": live_bytes([p.data for p in self.params]), "grads": live_bytes(grads),
+                "optimizer": live_bytes(optimizer.state_arrays())}

@@ -1,0 +1,257 @@
+"""ZeRO (Rajbhandari et al., 2020): data parallelism that shards the model state instead of copying it.
+
+The decomposition everything rests on: all-reduce = reduce-scatter + all-gather. Plain DP
+all-reduces gradients and lets every rank run the same optimizer step on the same full state. ZeRO
+reduce-scatters instead — rank r receives only its 1/p of the averaged gradient — updates only its
+1/p of the parameters and optimizer state, and all-gathers parameters when they are needed.
+
+Per rank, Ψ parameters in float32 (4 bytes each for parameters, gradients, Adam m and v):
+
+    stage   sharded                 model-state bytes¹      bytes sent per step
+    DP      nothing                 16Ψ                     2(p−1)/p·4Ψ   all-reduce(grads)
+    1       optimizer state         8Ψ + 12Ψ/p              2(p−1)/p·4Ψ   reduce-scatter(grads) + all-gather(params)
+    2       + gradients             4Ψ + 12Ψ/p              2(p−1)/p·4Ψ   the same
+    3       + parameters (FSDP)     16Ψ/p                   3(p−1)/p·4Ψ   all-gather(params) in forward and again in
+                                                                          backward + reduce-scatter(grads)
+
+¹ stage 1 keeps the full local gradients (4Ψ) and, beside them, this rank's reduced slice (4Ψ/p).
+
+Mechanics. Parameters are grouped into flat buffers (stages 1-2: size-based buckets in gradient
+order, like DP; stage 3: one *unit* per transformer block plus a root unit for the rest). Rank r
+owns chunk r of every group (``numpy.array_split`` bounds, so sizes need not divide by p).
+
+* A gradient hook counts a group's final gradients; when the group is complete its flattened
+  gradient is reduce-scattered asynchronously (overlapping the rest of backward) and, from stage 2
+  on, the full gradients are dropped.
+* ``step()`` runs the same AdamW arithmetic as the single-process optimizer on the shard
+  (:func:`minipar.optim.adamw_update`), then — stages 1-2 — all-gathers the updated parameters.
+* Stage 3 keeps only the shard. A forward pre-hook all-gathers a unit's parameters, a forward hook
+  frees them and wraps the unit's output in an identity whose backward gathers them again just
+  before the unit's backward needs them; the unit's reduce-scatter frees them once more.
+
+Gradient accumulation: stage 1 honours ``no_sync()`` (full gradients accumulate locally); stages
+2-3 reduce-scatter on every backward and accumulate into the shard, as DeepSpeed does.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import numpy as np
+
+from minipar.autograd import Context, Function, Tensor
+from minipar.backend import xp
+from minipar.comm import Communicator, Handle
+from minipar.comm.collectives import chunk_bounds
+from minipar.nn import Module, ModuleList, Parameter
+from minipar.optim import Optimizer, adamw_update, clip_grad_norm
+from minipar.parallel.data_parallel import Bucket, broadcast_parameters, gradient_ready_order, live_bytes, make_buckets
+
+class Shard:
+    """One flat group of parameters and this rank's slice [lo, hi) of it: parameters, gradient, Adam state."""
+
+    def __init__(self, bucket: Bucket, comm: Communicator, weight_decay: float):
+        self.bucket = bucket
+        bounds = chunk_bounds(bucket.size, comm.size)
+        self.sizes = [bounds[i + 1] - bounds[i] for i in range(comm.size)]
+        self.lo, self.hi = bounds[comm.rank], bounds[comm.rank + 1]
+        decay = bucket.flatten([xp.full(shape, weight_decay if len(shape) >= 2 else 0.0, dtype=bucket.dtype)
+                                for shape in bucket.shapes])  # AdamW decays matrices only, as minipar.optim does
+        self.weight_decay = decay[self.lo:self.hi].copy()
+        self.params: Any = None   # this rank's parameter slice (a view into the full flat buffer for stages 1-2)
+        self.flat: Any = None     # stages 1-2: the full flat parameters that p.data are views of
+        self.grad: Any = None     # this rank's reduced gradient slice
+        self.m = xp.zeros(self.hi - self.lo, dtype=bucket.dtype)
+        self.v = xp.zeros(self.hi - self.lo, dtype=bucket.dtype)
+        self.pending: list[Handle] = []  # reduce-scatters launched since the last sync_gradients
+        self.ready = 0                   # parameters whose gradient is final in the running backward
+        self.gathered = True
+
+
+class _GatherBeforeBackward(Function):
+    """Identity in forward; in backward first calls ``gather()`` (stage 3 re-gathers a unit's parameters)."""
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, gather: Any) -> Any:
+        ctx.gather = gather
+        return x
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        ctx.gather()
+        return g, None
+
+
+def default_units(model: Module) -> list[Module]:
+    """Stage-3 units: every module held in a ModuleList (a GPT's blocks); the root unit takes the rest."""
+    return [m for module in model.modules() if isinstance(module, ModuleList) for m in module]
+
+
+class ZeRO(Optimizer):
+    """Sharded data parallelism and its sharded AdamW, ``stage`` ∈ {1, 2, 3}; wraps ``model`` like DataParallel.
+
+    ``engine(x, y)`` runs the model; ``loss.backward()``; ``engine.sync_gradients()``;
+    ``engine.clip_grad_norm(c)``; ``engine.step()``; ``engine.zero_grad()``.
+    """
+
+    def __init__(self, model: Module, comm: Communicator, stage: int, lr: float = 3e-4,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
+                 bucket_mb: float = 25.0):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
+        super().__init__(model.parameters(), lr)
+        self.module, self.comm, self.stage = model, comm, stage
+        self.beta1, self.beta2, self.eps = betas[0], betas[1], eps
+        self._sync = True
+        broadcast_parameters(self.params, comm)
+        wd = float(weight_decay)
+        if stage < 3:
+            self.shards = [Shard(b, comm, wd) for b in make_buckets(gradient_ready_order(model), bucket_mb * 2**20)]
+        else:
+            units = default_units(model)
+            inner = {id(p) for unit in units for p in unit.parameters()}
+            root = [p for p in model.parameters() if id(p) not in inner]
+            owners = [*reversed(units), *([model] if root else [])]  # gradient order: last block first, root last
+            self.shards = [Shard(Bucket(u.parameters() if u is not model else root), comm, wd) for u in owners]
+            for module, shard in zip(owners, self.shards):
+                module.register_forward_pre_hook(lambda m, shard=shard: self._gather(shard))
+                module.register_forward_hook(lambda m, out, shard=shard: self._after_forward(shard, out))
+        for shard in self.shards:
+            flat = shard.bucket.flatten([p.data for p in shard.bucket.params])
+            if stage < 3:
+                shard.flat, shard.params = flat, flat[shard.lo:shard.hi]
+                for i, p in enumerate(shard.bucket.params):
+                    p.data = shard.bucket.slot(flat, i)
+            else:
+                shard.params = flat[shard.lo:shard.hi].copy()
+                self._release(shard)
+            for p in shard.bucket.params:
+                p.register_hook(lambda p, shard=shard: self._gradient_ready(shard))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def parameters(self) -> list[Parameter]:
+        return self.params
+
+    # ---------------------------------------------------------------------------- stage-3 units
+    def _gather(self, shard: Shard) -> None:
+        """All-gather a unit's parameters: p.data becomes a view of the full flat buffer."""
+        if shard.gathered:
+            return
+        full = self.comm.all_gather(shard.params, sizes=shard.sizes, label="params")
+        for i, p in enumerate(shard.bucket.params):
+            p.data = shard.bucket.slot(full, i)
+        shard.gathered = True
+
+    def _release(self, shard: Shard) -> None:
+        for p in shard.bucket.params:
+            p.data = xp.empty(0, dtype=shard.bucket.dtype)  # what a stage-3 parameter holds between uses
+        shard.gathered = False
+
+    def _after_forward(self, shard: Shard, out: Any) -> Any:
+        """Free the unit's parameters; make backward gather them again before it reaches the unit."""
+        self._release(shard)
+        gather = lambda: self._gather(shard)  # noqa: E731
+        wrap = lambda t: _GatherBeforeBackward.apply(t, gather) if isinstance(t, Tensor) and t.requires_grad else t  # noqa: E731
+        return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
+
+    # ------------------------------------------------------------------------------- gradients
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Stage 1: accumulate full gradients locally. Stages 2-3 reduce-scatter regardless (see module doc)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def _gradient_ready(self, shard: Shard) -> None:
+        if self.stage == 1 and not self._sync:
+            return
+        shard.ready += 1
+        if shard.ready == len(shard.bucket.params):
+            self._launch(shard)
+
+    def _launch(self, shard: Shard) -> None:
+        grads = [p.grad if p.grad is not None else xp.zeros(shape, shard.bucket.dtype)
+                 for p, shape in zip(shard.bucket.params, shard.bucket.shapes)]
+        shard.pending.append(self.comm.reduce_scatter(shard.bucket.flatten(grads), op="avg", async_op=True, label="grads"))
+        shard.ready = 0
+        if self.stage >= 2:
+            for p in shard.bucket.params:
+                p.grad = None  # only the reduced shard is kept
+        if self.stage == 3:
+            self._release(shard)
+
+    def sync_gradients(self) -> None:
+        """Wait for every reduce-scatter and add the result into this rank's gradient shard.
+
+        A group whose gradients did not all arrive (a parameter unused in this forward) is reduced
+        here, with zeros for the missing ones, in group order — the same on every rank.
+        """
+        for shard in self.shards:
+            if shard.ready or not shard.pending:  # partial gradients, or none since the last sync
+                self._launch(shard)
+        for shard in self.shards:
+            for handle in shard.pending:
+                chunk = handle.wait()
+                shard.grad = chunk if shard.grad is None else shard.grad + chunk
+            shard.pending = []
+
+    # ------------------------------------------------------------------------------- optimizer
+    def clip_grad_norm(self, max_norm: float) -> float:
+        """Global norm from the shards: Σg² per rank, summed over ranks with one scalar all-reduce."""
+        holders = [_GradHolder(s.grad) for s in self.shards if s.grad is not None]
+        total = lambda local: float(self.comm.all_reduce(np.array([local]), label="grad_norm")[0])  # noqa: E731
+        return clip_grad_norm(holders, max_norm, sum_squares=total)
+
+    def step(self) -> None:
+        """AdamW on this rank's shard; stages 1-2 then all-gather the updated parameters."""
+        self.step_count += 1
+        for shard in self.shards:
+            if shard.grad is not None:
+                adamw_update(shard.params, shard.grad, shard.m, shard.v, step=self.step_count, lr=self.lr,
+                             beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=shard.weight_decay)
+        if self.stage < 3:
+            handles = [self.comm.all_gather(s.params, sizes=s.sizes, async_op=True, label="params") for s in self.shards]
+            for shard, handle in zip(self.shards, handles):
+                shard.flat[...] = handle.wait()
+
+    def zero_grad(self) -> None:
+        super().zero_grad()
+        for shard in self.shards:
+            shard.grad = None
+
+    def state_arrays(self) -> list[Any]:
+        return [a for s in self.shards for a in (s.m, s.v)]
+
+    # ------------------------------------------------------------------------------- reporting
+    def formula_bytes(self) -> float:
+        """Bytes one rank should send per step: (2 or 3)(p−1)/p·Ψ·itemsize (ZeRO paper, §7)."""
+        p = self.comm.size
+        psi_bytes = sum(s.bucket.size * np.dtype(s.bucket.dtype).itemsize for s in self.shards)
+        return (3 if self.stage == 3 else 2) * (p - 1) / p * psi_bytes
+
+    def model_state_bytes(self, optimizer: Any = None) -> dict[str, int]:
+        """Counted bytes of the live parameter, gradient and optimizer-state arrays on this rank."""
+        return {"params": live_bytes([p.data for p in self.params] + [s.params for s in self.shards]),
+                "grads": live_bytes([p.grad for p in self.params] + [s.grad for s in self.shards]),
+                "optimizer": live_bytes(self.state_arrays())}
+
+    def gathered_state_dict(self) -> dict[str, Any]:
+        """The full parameters by name on every rank (stage 3 all-gathers each unit once)."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        state = {}
+        for shard in self.shards:
+            full = shard.flat if self.stage < 3 else self.comm.all_gather(shard.params, sizes=shard.sizes, label="params")
+            for i, p in enumerate(shard.bucket.params):
+                state[names[id(p)]] = shard.bucket.slot(full, i).copy()
+        return state
+
+
+class _GradHolder:
+    """Lets clip_grad_norm treat a gradient shard like a parameter's ``.grad``."""
+
+    def __init__(self, grad: Any):
+        self.grad = grad
