@@ -95,8 +95,9 @@ def broadcast_parameters(params: list[Parameter], comm: Communicator) -> None:
 
 
 class DataParallel:
-    def __init__(self, model: Module, comm: Communicator, bucket_mb: float = 25.0):
-        self.module, self.comm = model, comm
+    def __init__(self, model: Module, comm: Communicator, bucket_mb: float = 25.0, overlap: bool = True):
+        """``overlap=False`` starts every all-reduce only in ``sync_gradients`` (for measuring what overlap buys)."""
+        self.module, self.comm, self.overlap = model, comm, overlap
         self.params = model.parameters()
         self._sync = True
         broadcast_parameters(self.params, comm)
@@ -128,7 +129,7 @@ class DataParallel:
             bucket.buffer = xp.empty(bucket.size, dtype=bucket.dtype)
         bucket.slot(bucket.buffer, i)[...] = bucket.params[i].grad
         bucket.ready += 1
-        if bucket.ready == len(bucket.params):
+        if bucket.ready == len(bucket.params) and self.overlap:
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
