@@ -142,8 +142,19 @@ class LayerNorm(Module):
 
 
 class Embedding(Module):
+    """Rows of a (vocab, dim) table. As the owner of the vocabulary layout it also scores hidden
+    states against the table (a tied LM head) and computes the loss over the vocabulary; a
+    vocab-parallel embedding overrides all three."""
+
     def __init__(self, n_embeddings: int, dim: int, dtype: str = "float32"):
         self.weight = Parameter(xp.zeros((n_embeddings, dim), dtype=resolve_dtype(dtype)))
 
     def forward(self, idx: Any) -> Tensor:
         return ops.embedding(idx, self.weight)
+
+    def attend(self, h: Tensor) -> Tensor:
+        """Logits h Wᵀ (B, T, vocab)."""
+        return ops.linear(h, self.weight, transposed=True)
+
+    def cross_entropy(self, logits: Tensor, targets: Any) -> Tensor:
+        return ops.cross_entropy(logits, targets)

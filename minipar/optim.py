@@ -52,9 +52,12 @@ class Optimizer:
         for p in self.params:
             p.grad = None
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Clip the global gradient norm of the parameters this optimizer updates; returns the norm before."""
-        return clip_grad_norm(self.params, max_norm)
+    def clip_grad_norm(self, max_norm: float, sum_squares: Callable[[float], float] = lambda s: s) -> float:
+        """Clip the global gradient norm of the parameters this optimizer updates; returns the norm before.
+
+        ``sum_squares`` adds the other ranks' Σg² when parameters are split across ranks (tensor parallelism).
+        """
+        return clip_grad_norm(self.params, max_norm, sum_squares)
 
     def state_arrays(self) -> list[Any]:
         return []
@@ -119,9 +122,12 @@ def clip_grad_norm(params: Iterable[Parameter], max_norm: float,
 
     ``sum_squares`` turns this rank's Σg² into the global one: identity for one process, an
     all-reduce over the ranks that hold disjoint pieces of the gradients when they are sharded.
+    A parameter's ``norm_scale`` (default 1; a scalar or one weight per element) weighs its
+    squares: 0 on the ranks whose copy of a replicated parameter another rank already counts.
     """
-    grads = [p.grad for p in params if p.grad is not None]
-    local = float(sum(float((g * g).sum()) for g in grads))
+    held = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in held]
+    local = float(sum(float((g * g * getattr(p, "norm_scale", 1.0)).sum()) for p, g in zip(held, grads)))
     norm = math.sqrt(sum_squares(local))
     if max_norm > 0 and norm > max_norm:
         scale = max_norm / (norm + 1e-6)

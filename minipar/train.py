@@ -4,9 +4,10 @@ One step:  for each of m microbatches: forward, loss/m, backward (gradients accu
            → clip the global gradient norm → AdamW with the cosine learning rate.
 Rank 0 prints one progress line per step (or one JSON object with ``--json``).
 
-Under ``mpiexec -n p`` with ``--dp p`` every rank trains on its rows of the global batch through
-DataParallel (``--zero 0``) or ZeRO stage 1-3; the step is the same code either way:
-engine(x, y) → backward → engine.sync_gradients() → clip → optimizer.step().
+Under ``mpiexec -n dp·tp`` the ranks form a mesh (tp fastest). A tensor-parallel group of tp
+ranks shares one model, split layer by layer (``--tp``); the dp groups each train on their rows
+of the global batch through DataParallel (``--zero 0``) or ZeRO stage 1-3. The step is the same
+code in every layout: engine(x, y) → backward → engine.sync_gradients() → clip → optimizer.step().
 """
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ from minipar.autograd import no_grad
 from minipar.backend import set_device
 from minipar.comm import Communicator
 from minipar.data import Batches, load_tokens, shard_rows, split_tokens
-from minipar.models.gpt import GPT, GPTConfig
+from minipar.models.gpt import GPT, GPTConfig, hf_config
 from minipar.optim import AdamW, cosine_lr
 from minipar.parallel.data_parallel import DataParallel
+from minipar.parallel.mesh import Mesh
+from minipar.parallel.tensor_parallel import check_tensor_parallel, gather_tensor_parallel_state, tensor_parallel
 from minipar.parallel.zero import ZeRO
 
 
@@ -65,7 +68,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto timeline")
 
 
-def validate(args: argparse.Namespace, world_size: int) -> None:
+def model_config(args: argparse.Namespace) -> GPTConfig:
+    if args.init_from:
+        return hf_config(args.init_from, dtype=args.dtype)
+    return GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                     n_embd=args.n_embd, dtype=args.dtype)
+
+
+def validate(args: argparse.Namespace, world_size: int) -> GPTConfig:
     """Reject bad input before anything is built or communicated (every rank reaches the same verdict)."""
     for name in ("steps", "batch_size", "microbatches", "block_size", "dp", "tp", "pp", "bucket_mb"):
         if getattr(args, name) <= 0:
@@ -76,36 +86,43 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if args.batch_size % (args.dp * args.microbatches):
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by --dp·--microbatches "
                          f"= {args.dp}·{args.microbatches}")
-    if args.tp > 1 or args.pp > 1 or args.trace:
-        raise ValueError("--tp, --pp and --trace are not implemented in this build yet; use --dp and --zero")
+    if args.pp > 1 or args.trace:
+        raise ValueError("--pp and --trace are not implemented in this build yet; use --dp, --tp and --zero")
     if args.zero and args.dp == 1:
         raise ValueError("--zero shards over data-parallel ranks: it needs --dp >= 2")
+    cfg = model_config(args)
+    check_tensor_parallel(cfg, args.tp)
+    return cfg
 
 
-def build_model(args: argparse.Namespace) -> GPT:
-    if args.init_from:
-        return GPT.from_hf(args.init_from, dtype=args.dtype)
-    cfg = GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                    n_embd=args.n_embd, dtype=args.dtype)
-    return GPT(cfg, seed=args.seed)
+def build_model(args: argparse.Namespace, mesh: Mesh) -> GPT:
+    """The full model on every rank (same seed or checkpoint), then this rank's tensor-parallel slice."""
+    model = GPT.from_hf(args.init_from, dtype=args.dtype) if args.init_from else GPT(model_config(args), seed=args.seed)
+    return tensor_parallel(model, mesh.tp_comm) if mesh.tp > 1 else model
 
 
 def build_engine(model: GPT, comm: Communicator, args: argparse.Namespace) -> tuple[Any, Any]:
-    """(engine, optimizer): DataParallel + AdamW, or ZeRO, which is both."""
+    """(engine, optimizer) over the data-parallel group: DataParallel + AdamW, or ZeRO, which is both."""
     if args.zero:
         engine = ZeRO(model, comm, args.zero, lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb)
         return engine, engine
     return DataParallel(model, comm, args.bucket_mb), AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
 
-def evaluate(engine: Any, comm: Communicator, batches: Batches, n_batches: int) -> float:
-    """Mean validation loss over ``n_batches`` fixed batches, each rank scoring its rows."""
+def evaluate(engine: Any, mesh: Mesh, batches: Batches, n_batches: int) -> float:
+    """Mean validation loss over ``n_batches`` fixed batches, each data-parallel group scoring its rows."""
     losses = []
     with no_grad():
         for i in range(n_batches):
-            x, y = batches(i)
-            losses.append(engine(shard_rows(x, comm.rank, comm.size), shard_rows(y, comm.rank, comm.size))[1].item())
-    return float(comm.all_reduce(np.array([np.mean(losses)]), op="avg", label="loss")[0])
+            x, y = (shard_rows(a, mesh.dp_rank, mesh.dp) for a in batches(i))
+            losses.append(engine(x, y)[1].item())
+    return float(mesh.dp_comm.all_reduce(np.array([np.mean(losses)]), op="avg", label="loss")[0])
+
+
+def full_state_dict(engine: Any, model: GPT, mesh: Mesh, zero: int) -> dict[str, np.ndarray]:
+    """Every parameter whole, on every rank: gathered over the ZeRO shards, then over the tp slices."""
+    local = engine.gathered_state_dict() if zero else model.state_dict()
+    return gather_tensor_parallel_state(local, model.config, mesh.tp_comm) if mesh.tp > 1 else local
 
 
 def report(record: dict[str, Any], as_json: bool) -> None:
@@ -116,8 +133,12 @@ def report(record: dict[str, Any], as_json: bool) -> None:
     else:
         comm = ""
         if record["world"] > 1:
-            comm = (f" | comm {record['comm_bytes'] / 1e6:.2f} MB (formula {record['comm_formula_bytes'] / 1e6:.2f})"
-                    f" | state {sum(record['model_state_bytes'].values()) / 1e6:.2f} MB")
+            tp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith("tp_"))
+            if record["comm_formula_bytes"]:
+                comm += f" | dp {record['comm_bytes'] / 1e6:.2f} MB (formula {record['comm_formula_bytes'] / 1e6:.2f})"
+            if tp_bytes:
+                comm += f" | tp {tp_bytes / 1e6:.2f} MB"
+            comm += f" | state {sum(record['model_state_bytes'].values()) / 1e6:.2f} MB"
         print(f"step {record['step']:>5}/{record['steps']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
               f"norm {record['grad_norm']:.3f} | {record['tokens_per_s']:>8,.0f} tok/s | {record['ms']:7.1f} ms{comm}",
               flush=True)
@@ -125,30 +146,33 @@ def report(record: dict[str, Any], as_json: bool) -> None:
 
 def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the training job described by ``args`` on every rank; returns the per-step records."""
-    comm = Communicator()
-    validate(args, comm.size)
+    world = Communicator()
+    cfg = validate(args, world.size)
     set_device(args.device)
     tokens = load_tokens(args.data)
-    model = build_model(args)
-    block = model.config.block_size if args.init_from else args.block_size
+    mesh = Mesh(world, dp=args.dp, tp=args.tp)
+    comms = [world, mesh.dp_comm, mesh.tp_comm]
+    model = build_model(args, mesh)
+    block = cfg.block_size if args.init_from else args.block_size
     train_tokens, val_tokens = split_tokens(tokens)
     batches = Batches(train_tokens, args.batch_size, block, seed=args.seed)
     val_batches = Batches(val_tokens, args.batch_size, block, seed=args.seed + 1) if len(val_tokens) > block + 2 else None
-    n_params = model.num_parameters()
-    engine, optimizer = build_engine(model, comm, args)
-    m, lead = args.microbatches, comm.rank == 0
+    n_params = GPT(cfg).num_parameters() if mesh.tp > 1 else model.num_parameters()
+    engine, optimizer = build_engine(model, mesh.dp_comm, args)
+    tp_sum = (lambda s: float(mesh.tp_comm.all_reduce(np.array([s]), label="grad_norm")[0])) if mesh.tp > 1 else (lambda s: s)
+    m, lead = args.microbatches, world.rank == 0
     if lead and not args.json:
-        mode = f", dp={comm.size}" + (f" zero-{args.zero}" if args.zero else "") if comm.size > 1 else ""
-        print(f"minipar: GPT {n_params:,} params (L={model.config.n_layer} H={model.config.n_head} "
-              f"C={model.config.n_embd} T={block}), {len(tokens):,} tokens, batch {args.batch_size}×{block}, "
-              f"{args.dtype} on {args.device}{mode}", flush=True)
+        layout = "".join(f", {k}={v}" for k, v in (("dp", mesh.dp), ("tp", mesh.tp)) if v > 1)
+        layout += f" zero-{args.zero}" if args.zero else ""
+        print(f"minipar: GPT {n_params:,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={block}), "
+              f"{len(tokens):,} tokens, batch {args.batch_size}×{block}, {args.dtype} on {args.device}{layout}", flush=True)
 
     records = []
     for step in range(args.steps):
         t0 = time.perf_counter()
-        comm.reset_stats()
-        x, y = batches(step)
-        x, y = shard_rows(x, comm.rank, comm.size), shard_rows(y, comm.rank, comm.size)
+        for c in comms:
+            c.reset_stats()
+        x, y = (shard_rows(a, mesh.dp_rank, mesh.dp) for a in batches(step))
         loss_sum = 0.0
         for micro, (xs, ys) in enumerate(zip(np.split(x, m), np.split(y, m))):
             with engine.no_sync() if micro < m - 1 else contextlib.nullcontext():
@@ -156,30 +180,37 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                 (loss * (1.0 / m)).backward()
             loss_sum += loss.item()
         engine.sync_gradients()
-        norm = optimizer.clip_grad_norm(args.grad_clip)
+        norm = optimizer.clip_grad_norm(args.grad_clip, tp_sum)
         optimizer.lr = cosine_lr(step, max_lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps, min_lr=args.min_lr)
         optimizer.step()
         state_bytes = engine.model_state_bytes(optimizer)
         optimizer.zero_grad()
-        training_bytes = comm.bytes_sent("grads") + comm.bytes_sent("params")
-        mean_loss = float(comm.all_reduce(np.array([loss_sum / m]), op="avg", label="loss")[0])
+        mean_loss = float(mesh.dp_comm.all_reduce(np.array([loss_sum / m]), op="avg", label="loss")[0])
         ms = (time.perf_counter() - t0) * 1e3
+        by_op: dict[str, Any] = {}
+        for c in comms:
+            for k, v in c.stats.items():
+                by_op.setdefault(k, {"bytes": 0, "calls": 0})
+                by_op[k]["bytes"] += v.bytes
+                by_op[k]["calls"] += v.calls
         record = {"step": step + 1, "steps": args.steps, "loss": mean_loss, "lr": optimizer.lr, "grad_norm": norm,
-                  "tokens_per_s": args.batch_size * block / (ms / 1e3), "ms": ms, "world": comm.size,
-                  "comm_bytes": training_bytes, "comm_formula_bytes": engine.formula_bytes() if comm.size > 1 else 0.0,
-                  "comm_bytes_by_op": {k: v.bytes for k, v in comm.stats.items()}, "model_state_bytes": state_bytes}
+                  "tokens_per_s": args.batch_size * block / (ms / 1e3), "ms": ms, "world": world.size,
+                  "comm_bytes": sum(by_op.get(k, {"bytes": 0})["bytes"] for k in ("grads", "params")),
+                  "comm_formula_bytes": engine.formula_bytes() if mesh.dp > 1 else 0.0,
+                  "comm_bytes_by_op": {k: v["bytes"] for k, v in by_op.items()},
+                  "comm_calls_by_op": {k: v["calls"] for k, v in by_op.items()}, "model_state_bytes": state_bytes}
         records.append(record)
         if lead:
             report(record, args.json)
         if val_batches and args.eval_interval and ((step + 1) % args.eval_interval == 0 or step + 1 == args.steps):
-            val = {"step": step + 1, "val_loss": evaluate(engine, comm, val_batches, args.eval_batches)}
+            val = {"step": step + 1, "val_loss": evaluate(engine, mesh, val_batches, args.eval_batches)}
             records.append(val)
             if lead:
                 report(val, args.json)
     if args.out:
-        state = engine.gathered_state_dict() if args.zero else model.state_dict()
+        state = full_state_dict(engine, model, mesh, args.zero)
         if lead:
-            model.save_hf(args.out, state)
+            GPT(cfg).save_hf(args.out, state)
             if not args.json:
                 print(f"saved {args.out}/model.safetensors and config.json", flush=True)
     return records

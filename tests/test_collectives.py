@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 from minipar.comm import CollectiveMismatch, Communicator
-from minipar.comm.collectives import SMALL_MESSAGE_BYTES, chunk_bounds
+from minipar.comm.collectives import SMALL_MESSAGE_BYTES, all_reduce_bytes_sent, chunk_bounds
 from minipar.testing import run_ranks
 
 DTYPES = ["float16", "float32", "float64", "int32", "int64"]
@@ -176,6 +176,11 @@ def _byte_accounting():
             assert comm.stats["all_reduce"].bytes == (p.bit_length() - 1) * n * itemsize
     for key, (got, want) in totals.items():
         assert got == want, f"{key}: all ranks sent {got} bytes, formula {want}"
+    for n in (0, 1, 5, 12 * p + 5, SMALL_MESSAGE_BYTES // 8 + 7):
+        for algorithm in ("ring", "recursive_doubling", None):
+            comm.reset_stats()
+            comm.all_reduce(np.ones(n), algorithm=algorithm)
+            assert comm.stats["all_reduce"].bytes == all_reduce_bytes_sent(n, 8, p, r, algorithm), (n, algorithm)
     comm.reset_stats()
     comm.all_reduce(np.ones(4))
     assert comm.stats["all_reduce"].calls == 1 and comm.stats["all_reduce"].seconds > 0

@@ -42,6 +42,23 @@ def chunk_bounds(n: int, p: int) -> list[int]:
     return bounds
 
 
+def all_reduce_bytes_sent(n: int, itemsize: int, p: int, rank: int, algorithm: str | None = None) -> int:
+    """Exactly how many bytes ``rank`` sends in an all-reduce of n elements (the formulas above, uneven chunks included)."""
+    if algorithm is None:
+        algorithm = "recursive_doubling" if n * itemsize <= SMALL_MESSAGE_BYTES else "ring"
+    if p == 1:
+        return 0
+    if algorithm == "ring":  # every chunk but its own in the reduce-scatter, all but its right neighbour's in the all-gather
+        b = chunk_bounds(n, p)
+        return (2 * n - (b[rank + 1] - b[rank]) - (b[(rank + 1) % p + 1] - b[(rank + 1) % p])) * itemsize
+    pof2 = 1 << (p.bit_length() - 1)
+    extra = p - pof2
+    rounds = pof2.bit_length() - 1
+    if rank < 2 * extra:  # a folded pair: the even rank sends once, the odd one sends its rounds and the result back
+        return n * itemsize if rank % 2 == 0 else (rounds + 1) * n * itemsize
+    return rounds * n * itemsize
+
+
 def _finish_avg(chunk: np.ndarray, op: str, p: int) -> None:
     if op == "avg":
         chunk /= p

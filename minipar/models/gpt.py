@@ -115,9 +115,9 @@ class GPT(Module):
         return self.transformer.wte(idx) + self.transformer.wpe(xp.arange(T))
 
     def head(self, x: Tensor, targets: Any = None) -> tuple[Tensor, Tensor | None]:
-        logits = ops.linear(self.transformer.ln_f(x), self.transformer.wte.weight, transposed=True)
-        loss = ops.cross_entropy(logits, targets) if targets is not None else None
-        return logits, loss
+        wte = self.transformer.wte
+        logits = wte.attend(self.transformer.ln_f(x))
+        return logits, (wte.cross_entropy(logits, targets) if targets is not None else None)
 
     def forward(self, idx: Any, targets: Any = None) -> tuple[Tensor, Tensor | None]:
         """``idx`` (B, T) int -> (logits (B, T, vocab), mean cross-entropy loss or None)."""
@@ -149,7 +149,7 @@ class GPT(Module):
     @classmethod
     def from_hf(cls, directory: str, dtype: str | None = None) -> GPT:
         """Load ``config.json`` + ``model.safetensors`` written by transformers (GPT2LMHeadModel) or :meth:`save_hf`."""
-        cfg = _config_from_hf(directory, dtype)
+        cfg = hf_config(directory, dtype)
         tensors, _ = read_safetensors(os.path.join(directory, "model.safetensors"))
         state = {}
         for key, value in tensors.items():
@@ -188,7 +188,8 @@ class GPT(Module):
         os.replace(tmp, os.path.join(directory, "config.json"))
 
 
-def _config_from_hf(directory: str, dtype: str | None) -> GPTConfig:
+def hf_config(directory: str, dtype: str | None = None) -> GPTConfig:
+    """The GPTConfig of a Hugging Face GPT-2 checkpoint directory (checked for what minipar supports)."""
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{directory}: no config.json (expected a Hugging Face GPT-2 checkpoint directory)")

@@ -35,7 +35,7 @@ Gradient accumulation: stage 1 honours ``no_sync()`` (full gradients accumulate 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -55,9 +55,9 @@ class Shard:
         bounds = chunk_bounds(bucket.size, comm.size)
         self.sizes = [bounds[i + 1] - bounds[i] for i in range(comm.size)]
         self.lo, self.hi = bounds[comm.rank], bounds[comm.rank + 1]
-        decay = bucket.flatten([xp.full(shape, weight_decay if len(shape) >= 2 else 0.0, dtype=bucket.dtype)
-                                for shape in bucket.shapes])  # AdamW decays matrices only, as minipar.optim does
-        self.weight_decay = decay[self.lo:self.hi].copy()
+        # per-element AdamW decay (matrices only, as minipar.optim does) and grad-norm weights (tensor_parallel.py)
+        self.weight_decay = self._per_element([weight_decay if len(s) >= 2 else 0.0 for s in bucket.shapes])
+        self.norm_scale = self._per_element([getattr(p, "norm_scale", 1.0) for p in bucket.params])
         self.params: Any = None   # this rank's parameter slice (a view into the full flat buffer for stages 1-2)
         self.flat: Any = None     # stages 1-2: the full flat parameters that p.data are views of
         self.grad: Any = None     # this rank's reduced gradient slice
@@ -66,6 +66,13 @@ class Shard:
         self.pending: list[Handle] = []  # reduce-scatters launched since the last sync_gradients
         self.ready = 0                   # parameters whose gradient is final in the running backward
         self.gathered = True
+
+    def _per_element(self, values: list[float]) -> Any:
+        """One value per parameter, spread over this rank's slice of the flat buffer (a scalar when all agree)."""
+        if len(set(values)) == 1:
+            return float(values[0])
+        full = self.bucket.flatten([xp.full(shape, v, dtype=self.bucket.dtype) for v, shape in zip(values, self.bucket.shapes)])
+        return full[self.lo:self.hi].copy()
 
 
 class _GatherBeforeBackward(Function):
@@ -200,10 +207,11 @@ class ZeRO(Optimizer):
             shard.pending = []
 
     # ------------------------------------------------------------------------------- optimizer
-    def clip_grad_norm(self, max_norm: float) -> float:
-        """Global norm from the shards: Σg² per rank, summed over ranks with one scalar all-reduce."""
-        holders = [_GradHolder(s.grad) for s in self.shards if s.grad is not None]
-        total = lambda local: float(self.comm.all_reduce(np.array([local]), label="grad_norm")[0])  # noqa: E731
+    def clip_grad_norm(self, max_norm: float, sum_squares: Callable[[float], float] = lambda s: s) -> float:
+        """Global norm from the shards: Σg² per rank, summed over the ZeRO ranks with one scalar all-reduce
+        (then over other groups by ``sum_squares``, e.g. tensor-parallel ranks)."""
+        holders = [_GradHolder(s.grad, s.norm_scale) for s in self.shards if s.grad is not None]
+        total = lambda local: sum_squares(float(self.comm.all_reduce(np.array([local]), label="grad_norm")[0]))  # noqa: E731
         return clip_grad_norm(holders, max_norm, sum_squares=total)
 
     def step(self) -> None:
@@ -253,5 +261,5 @@ class ZeRO(Optimizer):
 class _GradHolder:
     """Lets clip_grad_norm treat a gradient shard like a parameter's ``.grad``."""
 
-    def __init__(self, grad: Any):
-        self.grad = grad
+    def __init__(self, grad: Any, norm_scale: Any):
+        self.grad, self.norm_scale = grad, norm_scale

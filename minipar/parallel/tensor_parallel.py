@@ -1,0 +1,251 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019): split each layer's matrices over tp ranks.
+
+Two conjugate operators carry all the communication (``f`` and ``g`` in the paper):
+
+    f  = CopyToTensorParallel       forward: identity        backward: all-reduce(dx)
+    g  = ReduceFromTensorParallel   forward: all-reduce(y)   backward: identity
+
+A column-parallel linear splits W (in, out) by columns: rank r computes y_r = x W[:, r] — its
+own slice of the output, no communication — after an ``f`` (every rank's dx is partial, so dx is
+summed in backward). A row-parallel linear splits W by rows and consumes such a slice:
+y = Σ_r y_r W[r, :] is a ``g``. Composed column→row, a layer costs one all-reduce forward and one
+backward, of the B·T·C activations:
+
+    attention:  f → c_attn (column: this rank's heads' q, k, v) → attention on H/tp heads
+                  → c_proj (row) → g
+    MLP:        f → c_fc (column, 4C/tp wide) → gelu → c_proj (row) → g
+
+so a transformer layer makes exactly 2 all-reduces forward and 2 backward of B·T·C elements.
+
+Vocabulary parallelism. The (V, C) embedding is split by rows; rank r owns tokens
+[r·V'/tp, (r+1)·V'/tp) of the vocabulary padded to V' = tp·⌈V/tp⌉. The lookup zeroes rows it does
+not own and a ``g`` sums them (one all-reduce of B·T·C). The tied head after an ``f`` produces only
+this rank's slice of the logits, and the cross-entropy never assembles the full (B, T, V)
+logits: it all-reduces the row maxima, the sums of exponentials and the target logits (three
+all-reduces of B·T numbers); its backward, softmax − onehot on the local slice, needs none. Padded
+vocabulary columns are masked to −∞, so the loss is the unpadded one.
+
+Parameters that every tp rank holds whole (layer norms, wpe, row-parallel biases) receive
+identical gradients on every rank; ``norm_scale`` marks them so a global gradient norm counts
+them once.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from minipar import ops
+from minipar.autograd import Context, Function, Tensor
+from minipar.backend import to_device, xp
+from minipar.comm import Communicator
+from minipar.models.gpt import GPT
+from minipar.nn import Module, Parameter
+
+
+class CopyToTensorParallel(Function):
+    """f: identity forward, all-reduce of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, comm: Communicator, label: str = "tp_backward") -> Any:
+        ctx.comm, ctx.label = comm, label
+        return x
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        return ctx.comm.all_reduce(g.copy(), label=ctx.label), None, None
+
+
+class ReduceFromTensorParallel(Function):
+    """g: all-reduce forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, comm: Communicator, label: str = "tp_forward") -> Any:
+        return comm.all_reduce(x.copy(), label=label)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        return g, None, None
+
+
+class ColumnParallelLinear(Module):
+    """y_r = f(x) W_r + b_r with W_r = W[:, cols of rank r] (in, out/tp); the output stays split."""
+
+    def __init__(self, weight: Any, bias: Any, comm: Communicator):
+        self.weight, self.bias, self.comm = Parameter(weight), Parameter(bias), comm
+        self.weight.norm_scale = self.bias.norm_scale = 1.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.linear(CopyToTensorParallel.apply(x, self.comm), self.weight, self.bias)
+
+
+class RowParallelLinear(Module):
+    """y = g(x_r W_r) + b with W_r = W[rows of rank r, :] (in/tp, out); b is whole on every rank."""
+
+    def __init__(self, weight: Any, bias: Any, comm: Communicator):
+        self.weight, self.bias, self.comm = Parameter(weight), Parameter(bias), comm
+        self.weight.norm_scale = 1.0
+        self.bias.norm_scale = 1.0 if comm.rank == 0 else 0.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ReduceFromTensorParallel.apply(ops.linear(x, self.weight), self.comm) + self.bias
+
+
+class VocabParallelEmbedding(Module):
+    """This rank's rows [start, start + n) of the padded (V', C) table: lookup, tied head and loss."""
+
+    def __init__(self, weight: Any, vocab_start: int, n_valid: int, comm: Communicator):
+        self.weight, self.comm = Parameter(weight), comm
+        self.weight.norm_scale = 1.0
+        self.vocab_start, self.n_valid = vocab_start, n_valid  # n_valid < rows on the rank holding padding
+
+    def forward(self, idx: Any) -> Tensor:
+        local = idx - self.vocab_start
+        mine = (local >= 0) & (local < self.n_valid)
+        rows = ops.embedding(xp.where(mine, local, 0), self.weight) * mine[..., None].astype(self.weight.dtype)
+        return ReduceFromTensorParallel.apply(rows, self.comm, "tp_embedding")
+
+    def attend(self, h: Tensor) -> Tensor:
+        """This rank's slice of the logits, (B, T, V'/tp)."""
+        return ops.linear(CopyToTensorParallel.apply(h, self.comm, "tp_head"), self.weight, transposed=True)
+
+    def cross_entropy(self, logits: Tensor, targets: Any) -> Tensor:
+        return VocabParallelCrossEntropy.apply(logits, targets, self.vocab_start, self.n_valid, self.comm)
+
+
+class VocabParallelCrossEntropy(Function):
+    """Mean cross-entropy over a vocabulary split across ranks, from each rank's slice of the logits.
+
+    With z the local logits, M = max over the whole vocabulary, S = Σ_vocab exp(z − M) and z_t the
+    target's logit (held by one rank): Lᵢ = log Sᵢ + Mᵢ − zᵢ[tᵢ]. Three all-reduces (max, sum, sum)
+    of one number per token. dL/dz = (exp(z − M)/S − onehot_local(t)) / N, no communication.
+    """
+
+    @staticmethod
+    def forward(ctx: Context, logits: Any, targets: Any, vocab_start: int, n_valid: int, comm: Communicator) -> Any:
+        z = logits.reshape(-1, logits.shape[-1]).copy()
+        z[:, n_valid:] = -xp.inf  # padded vocabulary entries
+        t = targets.reshape(-1) - vocab_start
+        mine = (t >= 0) & (t < n_valid)
+        rows, t = xp.arange(len(t)), xp.where(mine, t, 0)
+        zmax = comm.all_reduce(z.max(axis=-1), op="max", label="tp_cross_entropy")
+        probs = z - zmax[:, None]
+        xp.exp(probs, out=probs)
+        total = comm.all_reduce(probs.sum(axis=-1), label="tp_cross_entropy")
+        target_logit = comm.all_reduce(xp.where(mine, z[rows, t], 0.0), label="tp_cross_entropy")
+        probs /= total[:, None]
+        ctx.save_for_backward(probs, rows[mine], t[mine])
+        ctx.shape, ctx.count = logits.shape, len(rows)
+        return xp.asarray((xp.log(total) + zmax - target_logit).mean(), dtype=logits.dtype)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        probs, rows, cols = ctx.saved
+        probs[rows, cols] -= 1.0
+        probs *= g / ctx.count
+        return probs.reshape(ctx.shape), None, None, None, None
+
+
+# ------------------------------------------------------------------------------ sharding a GPT
+
+
+def check_tensor_parallel(cfg: Any, tp: int) -> None:
+    """Raise before any communication if a GPT config cannot be split over ``tp`` ranks."""
+    if cfg.n_head % tp:
+        raise ValueError(f"--tp {tp} must divide n_head ({cfg.n_head}): heads are split across ranks")
+    if (4 * cfg.n_embd) % tp:
+        raise ValueError(f"--tp {tp} must divide the MLP width 4·n_embd ({4 * cfg.n_embd})")
+
+
+def _vocab_rows(cfg: Any, tp: int, rank: int) -> tuple[int, int, int]:
+    """(start, rows per rank, valid rows on this rank) of the padded vocabulary."""
+    per_rank = math.ceil(cfg.vocab_size / tp)
+    start = rank * per_rank
+    return start, per_rank, max(0, min(per_rank, cfg.vocab_size - start))
+
+
+def shard_state_dict(full: dict[str, np.ndarray], cfg: Any, tp: int, rank: int) -> dict[str, np.ndarray]:
+    """Rank ``rank``'s tensor-parallel slice of a full (single-process or Hugging Face) GPT state."""
+    H, C, D = cfg.n_head, cfg.n_embd, cfg.head_dim
+    heads = slice(rank * H // tp, (rank + 1) * H // tp)
+    cols = slice(rank * 4 * C // tp, (rank + 1) * 4 * C // tp)
+    start, per_rank, valid = _vocab_rows(cfg, tp, rank)
+    out = {}
+    for name, value in full.items():
+        if name == "transformer.wte.weight":
+            table = np.zeros((per_rank, C), value.dtype)
+            table[:valid] = value[start:start + valid]
+            out[name] = table
+        elif name.endswith("attn.c_attn.weight"):   # (C, 3C) = (C, [q|k|v], H, D): keep this rank's heads
+            out[name] = value.reshape(C, 3, H, D)[:, :, heads].reshape(C, -1)
+        elif name.endswith("attn.c_attn.bias"):
+            out[name] = value.reshape(3, H, D)[:, heads].reshape(-1)
+        elif name.endswith("attn.c_proj.weight"):   # rows = the concatenated heads
+            out[name] = value.reshape(H, D, C)[heads].reshape(-1, C)
+        elif name.endswith("mlp.c_fc.weight"):
+            out[name] = value[:, cols]
+        elif name.endswith("mlp.c_fc.bias"):
+            out[name] = value[cols]
+        elif name.endswith("mlp.c_proj.weight"):
+            out[name] = value[cols, :]
+        else:                                        # layer norms, wpe, row-parallel biases: whole
+            out[name] = value
+        out[name] = np.ascontiguousarray(out[name])
+    return out
+
+
+def merge_state_dicts(shards: list[dict[str, np.ndarray]], cfg: Any) -> dict[str, np.ndarray]:
+    """The inverse of :func:`shard_state_dict`: the full state from every rank's slice, in rank order."""
+    tp, H, C, D = len(shards), cfg.n_head, cfg.n_embd, cfg.head_dim
+    out = {}
+    for name, value in shards[0].items():
+        parts = [s[name] for s in shards]
+        if name == "transformer.wte.weight":
+            out[name] = np.concatenate(parts)[:cfg.vocab_size]
+        elif name.endswith("attn.c_attn.weight"):
+            out[name] = np.concatenate([p.reshape(C, 3, H // tp, D) for p in parts], axis=2).reshape(C, 3 * C)
+        elif name.endswith("attn.c_attn.bias"):
+            out[name] = np.concatenate([p.reshape(3, H // tp, D) for p in parts], axis=1).reshape(3 * C)
+        elif name.endswith(("attn.c_proj.weight", "mlp.c_proj.weight")):
+            out[name] = np.concatenate(parts, axis=0)
+        elif name.endswith(("mlp.c_fc.weight", "mlp.c_fc.bias")):
+            out[name] = np.concatenate(parts, axis=-1)
+        else:
+            out[name] = value
+    return out
+
+
+def tensor_parallel(model: GPT, comm: Communicator) -> GPT:
+    """Replace ``model``'s layers, in place, by their tensor-parallel slices over ``comm`` (its tp group).
+
+    Every rank must hold the same full model (same seed or checkpoint); each keeps only its slice.
+    """
+    cfg, tp, rank = model.config, comm.size, comm.rank
+    check_tensor_parallel(cfg, tp)
+    local = shard_state_dict(model.state_dict(), cfg, tp, rank)
+    dev = lambda name: to_device(local[name], dtype=model.transformer.wte.weight.dtype)  # noqa: E731
+    start, _, valid = _vocab_rows(cfg, tp, rank)
+    model.transformer.wte = VocabParallelEmbedding(dev("transformer.wte.weight"), start, valid, comm)
+    for i, block in enumerate(model.transformer.h):
+        p = f"transformer.h.{i}."
+        block.attn.c_attn = ColumnParallelLinear(dev(p + "attn.c_attn.weight"), dev(p + "attn.c_attn.bias"), comm)
+        block.attn.c_proj = RowParallelLinear(dev(p + "attn.c_proj.weight"), dev(p + "attn.c_proj.bias"), comm)
+        block.attn.n_head = cfg.n_head // tp
+        block.mlp.c_fc = ColumnParallelLinear(dev(p + "mlp.c_fc.weight"), dev(p + "mlp.c_fc.bias"), comm)
+        block.mlp.c_proj = RowParallelLinear(dev(p + "mlp.c_proj.weight"), dev(p + "mlp.c_proj.bias"), comm)
+    for p in model.parameters():  # whole on every tp rank: count once in a global norm
+        if not hasattr(p, "norm_scale"):
+            p.norm_scale = 1.0 if rank == 0 else 0.0
+    model.tp_comm = comm
+    return model
+
+
+def gather_tensor_parallel_state(local: dict[str, np.ndarray], cfg: Any, comm: Communicator) -> dict[str, np.ndarray]:
+    """The full parameters from every tp rank's slice ``local``, on every rank of the group (one all-gather each)."""
+    shards: list[dict[str, np.ndarray]] = [{} for _ in range(comm.size)]
+    for name, value in local.items():  # every rank's slice of a name has the same shape
+        pieces = np.split(comm.all_gather(np.ascontiguousarray(value).reshape(-1), label="checkpoint"), comm.size)
+        for shard, piece in zip(shards, pieces):
+            shard[name] = piece.reshape(value.shape)
+    return merge_state_dicts(shards, cfg)
