@@ -3,7 +3,6 @@
 Integers must match MPI bitwise; floats within a bound proportional to Σ|xᵢ| and the dtype's
 epsilon (the two implementations add in different orders). Counted bytes must equal the formulas.
 """
-import os
 
 import numpy as np
 import pytest

@@ -4,7 +4,6 @@ import math
 import numpy as np
 import pytest
 
-from minipar import Tensor
 from minipar.data import BPETokenizer, Batches, ByteTokenizer, default_corpus, load_tokens, shard_rows
 from minipar.nn import Parameter
 from minipar.optim import SGD, AdamW, clip_grad_norm, cosine_lr

@@ -94,18 +94,11 @@ def broadcast_parameters(params: list[Parameter], comm: Communicator) -> None:
             p.data[...] = group.slot(flat, i)
 
 
-class DataParallel:
-    def __init__(self, model: Module, comm: Communicator, bucket_mb: float = 25.0, overlap: bool = True):
-        """``overlap=False`` starts every all-reduce only in ``sync_gradients`` (for measuring what overlap buys)."""
-        self.module, self.comm, self.overlap = model, comm, overlap
-        self.params = model.parameters()
-        self._sync = True
-        broadcast_parameters(self.params, comm)
-        self.buckets = make_buckets(gradient_ready_order(model), bucket_mb * 2**20)
-        if comm.size > 1:
-            for bucket in self.buckets:
-                for i, p in enumerate(bucket.params):
-                    p.register_hook(lambda p, bucket=bucket, i=i: self._gradient_ready(bucket, i))
+class ReplicatedModel:
+    """What DataParallel and ZeRO share: calling the model, its parameters, and ``no_sync()``."""
+
+    def __init__(self, model: Module):
+        self.module, self.params, self._sync = model, model.parameters(), True
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
@@ -121,6 +114,19 @@ class DataParallel:
             yield
         finally:
             self._sync = previous
+
+
+class DataParallel(ReplicatedModel):
+    def __init__(self, model: Module, comm: Communicator, bucket_mb: float = 25.0, overlap: bool = True):
+        """``overlap=False`` starts every all-reduce only in ``sync_gradients`` (for measuring what overlap buys)."""
+        super().__init__(model)
+        self.comm, self.overlap = comm, overlap
+        broadcast_parameters(self.params, comm)
+        self.buckets = make_buckets(gradient_ready_order(model), bucket_mb * 2**20)
+        if comm.size > 1:
+            for bucket in self.buckets:
+                for i, p in enumerate(bucket.params):
+                    p.register_hook(lambda p, bucket=bucket, i=i: self._gradient_ready(bucket, i))
 
     def _gradient_ready(self, bucket: Bucket, i: int) -> None:
         if not self._sync:

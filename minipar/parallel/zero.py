@@ -34,8 +34,7 @@ Gradient accumulation: stage 1 honours ``no_sync()`` (full gradients accumulate 
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 
@@ -43,9 +42,10 @@ from minipar.autograd import Context, Function, Tensor
 from minipar.backend import xp
 from minipar.comm import Communicator, Handle
 from minipar.comm.collectives import chunk_bounds
-from minipar.nn import Module, ModuleList, Parameter
+from minipar.nn import Module, ModuleList
 from minipar.optim import Optimizer, adamw_update, clip_grad_norm
-from minipar.parallel.data_parallel import Bucket, broadcast_parameters, gradient_ready_order, live_bytes, make_buckets
+from minipar.parallel.data_parallel import (Bucket, ReplicatedModel, broadcast_parameters, gradient_ready_order,
+                                            live_bytes, make_buckets)
 
 class Shard:
     """One flat group of parameters and this rank's slice [lo, hi) of it: parameters, gradient, Adam state."""
@@ -94,11 +94,12 @@ def default_units(model: Module) -> list[Module]:
     return [m for module in model.modules() if isinstance(module, ModuleList) for m in module]
 
 
-class ZeRO(Optimizer):
+class ZeRO(ReplicatedModel, Optimizer):
     """Sharded data parallelism and its sharded AdamW, ``stage`` ∈ {1, 2, 3}; wraps ``model`` like DataParallel.
 
     ``engine(x, y)`` runs the model; ``loss.backward()``; ``engine.sync_gradients()``;
-    ``engine.clip_grad_norm(c)``; ``engine.step()``; ``engine.zero_grad()``.
+    ``engine.clip_grad_norm(c)``; ``engine.step()``; ``engine.zero_grad()``. ``no_sync()``: stage 1
+    accumulates full gradients locally; stages 2-3 reduce-scatter regardless (see the module doc).
     """
 
     def __init__(self, model: Module, comm: Communicator, stage: int, lr: float = 3e-4,
@@ -106,10 +107,10 @@ class ZeRO(Optimizer):
                  bucket_mb: float = 25.0):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
-        super().__init__(model.parameters(), lr)
-        self.module, self.comm, self.stage = model, comm, stage
+        ReplicatedModel.__init__(self, model)
+        Optimizer.__init__(self, self.params, lr)
+        self.comm, self.stage = comm, stage
         self.beta1, self.beta2, self.eps = betas[0], betas[1], eps
-        self._sync = True
         broadcast_parameters(self.params, comm)
         wd = float(weight_decay)
         if stage < 3:
@@ -135,12 +136,6 @@ class ZeRO(Optimizer):
             for p in shard.bucket.params:
                 p.register_hook(lambda p, shard=shard: self._gradient_ready(shard))
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
-
-    def parameters(self) -> list[Parameter]:
-        return self.params
-
     # ---------------------------------------------------------------------------- stage-3 units
     def _gather(self, shard: Shard) -> None:
         """All-gather a unit's parameters: p.data becomes a view of the full flat buffer."""
@@ -164,15 +159,6 @@ class ZeRO(Optimizer):
         return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
 
     # ------------------------------------------------------------------------------- gradients
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Stage 1: accumulate full gradients locally. Stages 2-3 reduce-scatter regardless (see module doc)."""
-        previous, self._sync = self._sync, False
-        try:
-            yield
-        finally:
-            self._sync = previous
-
     def _gradient_ready(self, shard: Shard) -> None:
         if self.stage == 1 and not self._sync:
             return
