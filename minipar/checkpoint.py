@@ -30,6 +30,18 @@ def atomic_write(path: str, chunks: list[bytes | memoryview]) -> None:
 
 
 def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    atomic_write(path, encode_safetensors(tensors, metadata))
+
+
+def read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Return ({name: array}, metadata). BF16 tensors are widened to float32."""
+    with open(path, "rb") as f:
+        blob = f.read()
+    return decode_safetensors(blob, path)
+
+
+def encode_safetensors(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> list[bytes]:
+    """The bytes of a safetensors file, as chunks (length, header, tensor data...)."""
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     payload, offset = [], 0
     for name, array in tensors.items():
@@ -43,13 +55,11 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray], metadata: dict[
         offset += len(raw)
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-len(head) % 8)  # pad so tensor data starts 8-byte aligned
-    atomic_write(path, [struct.pack("<Q", len(head)), head, *payload])
+    return [struct.pack("<Q", len(head)), head, *payload]
 
 
-def read_safetensors(path: str) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Return ({name: array}, metadata). BF16 tensors are widened to float32."""
-    with open(path, "rb") as f:
-        blob = f.read()
+def decode_safetensors(blob: bytes, path: str = "<bytes>") -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Parse safetensors bytes; ``path`` only names the source in errors."""
     if len(blob) < 8:
         raise ValueError(f"{path}: not a safetensors file (only {len(blob)} bytes)")
     (n,) = struct.unpack("<Q", blob[:8])

@@ -101,21 +101,22 @@ class Module:
 
 
 class ModuleList(Module):
-    """A list of modules named ``0``, ``1``, ... (GPT-2's ``h.{i}``)."""
+    """A list of modules named ``start``, ``start+1``, ... (GPT-2's ``h.{i}``; a pipeline stage's
+    share of the blocks keeps their global numbers)."""
 
-    def __init__(self, modules: list[Module]):
+    def __init__(self, modules: list[Module], start: int = 0):
         for i, m in enumerate(modules):
-            setattr(self, str(i), m)
-        self._length = len(modules)
+            setattr(self, str(start + i), m)
+        self._start, self._length = start, len(modules)
 
     def __len__(self) -> int:
         return self._length
 
     def __iter__(self) -> Iterator[Module]:
-        return (getattr(self, str(i)) for i in range(self._length))
+        return (getattr(self, str(self._start + i)) for i in range(self._length))
 
     def __getitem__(self, i: int) -> Module:
-        return getattr(self, str(range(self._length)[i]))
+        return getattr(self, str(self._start + range(self._length)[i]))
 
 
 class Linear(Module):

@@ -12,14 +12,13 @@ code in every layout: engine(x, y) → backward → engine.sync_gradients() → 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 from typing import Any
 
 import numpy as np
 
-from minipar.autograd import no_grad
+from minipar import trace
 from minipar.backend import set_device
 from minipar.comm import Communicator
 from minipar.data import Batches, load_tokens, shard_rows, split_tokens
@@ -27,6 +26,7 @@ from minipar.models.gpt import GPT, GPTConfig, hf_config
 from minipar.optim import AdamW, cosine_lr
 from minipar.parallel.data_parallel import DataParallel
 from minipar.parallel.mesh import Mesh
+from minipar.parallel.pipeline import SCHEDULES, Pipeline, stage_blocks, stage_state
 from minipar.parallel.tensor_parallel import check_tensor_parallel, gather_tensor_parallel_state, tensor_parallel
 from minipar.parallel.zero import ZeRO
 
@@ -63,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--dp", type=int, default=1, help="data-parallel degree")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     par.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    par.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="pipeline schedule (with --pp)")
     par.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (with --dp)")
     par.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for DP / ZeRO-1/2")
     par.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto timeline")
@@ -86,12 +87,14 @@ def validate(args: argparse.Namespace, world_size: int) -> GPTConfig:
     if args.batch_size % (args.dp * args.microbatches):
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by --dp·--microbatches "
                          f"= {args.dp}·{args.microbatches}")
-    if args.pp > 1 or args.trace:
-        raise ValueError("--pp and --trace are not implemented in this build yet; use --dp, --tp and --zero")
     if args.zero and args.dp == 1:
         raise ValueError("--zero shards over data-parallel ranks: it needs --dp >= 2")
+    if args.zero >= 2 and args.pp > 1:
+        raise ValueError("--zero 2/3 reduce-scatter every microbatch's gradients; with --pp use --zero 0 or 1 "
+                         "(as DeepSpeed does)")
     cfg = model_config(args)
     check_tensor_parallel(cfg, args.tp)
+    stage_blocks(cfg.n_layer, args.pp, 0)
     return cfg
 
 
@@ -109,20 +112,36 @@ def build_engine(model: GPT, comm: Communicator, args: argparse.Namespace) -> tu
     return DataParallel(model, comm, args.bucket_mb), AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
 
 
-def evaluate(engine: Any, mesh: Mesh, batches: Batches, n_batches: int) -> float:
+def mean_loss(losses: list[float], mesh: Mesh) -> float:
+    """The global mean of per-microbatch losses that live on the last pipeline stage of every dp group."""
+    local = np.array([np.mean(losses) if losses else 0.0])
+    return float(mesh.dp_comm.all_reduce(mesh.pp_comm.all_reduce(local, label="loss"), op="avg", label="loss")[0])
+
+
+def evaluate(engine: Any, pipeline: Pipeline, mesh: Mesh, batches: Batches, n_batches: int) -> float:
     """Mean validation loss over ``n_batches`` fixed batches, each data-parallel group scoring its rows."""
     losses = []
-    with no_grad():
-        for i in range(n_batches):
-            x, y = (shard_rows(a, mesh.dp_rank, mesh.dp) for a in batches(i))
-            losses.append(engine(x, y)[1].item())
-    return float(mesh.dp_comm.all_reduce(np.array([np.mean(losses)]), op="avg", label="loss")[0])
+    for i in range(n_batches):
+        x, y = (shard_rows(a, mesh.dp_rank, mesh.dp) for a in batches(i))
+        loss = pipeline.forward_only(engine, x, y)
+        if loss is not None:
+            losses.append(loss)
+    return mean_loss(losses, mesh)
+
+
+def group_sum(comm: Communicator):
+    """s -> Σ over the ranks of ``comm`` (identity for one rank): a gradient norm's squares across a split."""
+    if comm.size == 1:
+        return lambda s: s
+    return lambda s: float(comm.all_reduce(np.array([s]), label="grad_norm")[0])
 
 
 def full_state_dict(engine: Any, model: GPT, mesh: Mesh, zero: int) -> dict[str, np.ndarray]:
-    """Every parameter whole, on every rank: gathered over the ZeRO shards, then over the tp slices."""
+    """Every parameter whole, on every rank: gathered over the ZeRO shards, the tp slices, the pp stages."""
     local = engine.gathered_state_dict() if zero else model.state_dict()
-    return gather_tensor_parallel_state(local, model.config, mesh.tp_comm) if mesh.tp > 1 else local
+    if mesh.tp > 1:
+        local = gather_tensor_parallel_state(local, model.config, mesh.tp_comm)
+    return stage_state(local, mesh.pp_comm) if mesh.pp > 1 else local
 
 
 def report(record: dict[str, Any], as_json: bool) -> None:
@@ -138,6 +157,9 @@ def report(record: dict[str, Any], as_json: bool) -> None:
                 comm += f" | dp {record['comm_bytes'] / 1e6:.2f} MB (formula {record['comm_formula_bytes'] / 1e6:.2f})"
             if tp_bytes:
                 comm += f" | tp {tp_bytes / 1e6:.2f} MB"
+            pp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith("pp_"))
+            if pp_bytes:
+                comm += f" | pp {pp_bytes / 1e6:.2f} MB, bubble {record['pipeline']['bubble']:.0%}"
             comm += f" | state {sum(record['model_state_bytes'].values()) / 1e6:.2f} MB"
         print(f"step {record['step']:>5}/{record['steps']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
               f"norm {record['grad_norm']:.3f} | {record['tokens_per_s']:>8,.0f} tok/s | {record['ms']:7.1f} ms{comm}",
@@ -150,42 +172,44 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     cfg = validate(args, world.size)
     set_device(args.device)
     tokens = load_tokens(args.data)
-    mesh = Mesh(world, dp=args.dp, tp=args.tp)
-    comms = [world, mesh.dp_comm, mesh.tp_comm]
+    mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp)
+    comms = [world, mesh.dp_comm, mesh.tp_comm, mesh.pp_comm]
     model = build_model(args, mesh)
+    pipeline = Pipeline(model, mesh.pp_comm, args.schedule)
     block = cfg.block_size if args.init_from else args.block_size
     train_tokens, val_tokens = split_tokens(tokens)
     batches = Batches(train_tokens, args.batch_size, block, seed=args.seed)
     val_batches = Batches(val_tokens, args.batch_size, block, seed=args.seed + 1) if len(val_tokens) > block + 2 else None
     n_params = GPT(cfg).num_parameters() if mesh.tp > 1 else model.num_parameters()
     engine, optimizer = build_engine(model, mesh.dp_comm, args)
-    tp_sum = (lambda s: float(mesh.tp_comm.all_reduce(np.array([s]), label="grad_norm")[0])) if mesh.tp > 1 else (lambda s: s)
+    tp_sum, pp_sum = group_sum(mesh.tp_comm), group_sum(mesh.pp_comm)
     m, lead = args.microbatches, world.rank == 0
     if lead and not args.json:
-        layout = "".join(f", {k}={v}" for k, v in (("dp", mesh.dp), ("tp", mesh.tp)) if v > 1)
+        layout = "".join(f", {k}={v}" for k, v in (("dp", mesh.dp), ("tp", mesh.tp), ("pp", mesh.pp)) if v > 1)
+        layout += f" {args.schedule}" if mesh.pp > 1 else ""
         layout += f" zero-{args.zero}" if args.zero else ""
         print(f"minipar: GPT {n_params:,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={block}), "
               f"{len(tokens):,} tokens, batch {args.batch_size}×{block}, {args.dtype} on {args.device}{layout}", flush=True)
 
+    if args.trace:
+        trace.start(world)
     records = []
     for step in range(args.steps):
         t0 = time.perf_counter()
         for c in comms:
             c.reset_stats()
         x, y = (shard_rows(a, mesh.dp_rank, mesh.dp) for a in batches(step))
-        loss_sum = 0.0
-        for micro, (xs, ys) in enumerate(zip(np.split(x, m), np.split(y, m))):
-            with engine.no_sync() if micro < m - 1 else contextlib.nullcontext():
-                _, loss = engine(xs, ys)
-                (loss * (1.0 / m)).backward()
-            loss_sum += loss.item()
-        engine.sync_gradients()
-        norm = optimizer.clip_grad_norm(args.grad_clip, tp_sum)
-        optimizer.lr = cosine_lr(step, max_lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps, min_lr=args.min_lr)
-        optimizer.step()
+        losses = pipeline.run(engine, x, y, m)
+        with trace.span("sync gradients", "comm"):
+            engine.sync_gradients()
+        with trace.span("optimizer", "optimizer"):
+            norm = optimizer.clip_grad_norm(args.grad_clip, lambda s: pp_sum(tp_sum(s)))
+            optimizer.lr = cosine_lr(step, max_lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
+                                     min_lr=args.min_lr)
+            optimizer.step()
         state_bytes = engine.model_state_bytes(optimizer)
         optimizer.zero_grad()
-        mean_loss = float(mesh.dp_comm.all_reduce(np.array([loss_sum / m]), op="avg", label="loss")[0])
+        loss = mean_loss(losses, mesh)
         ms = (time.perf_counter() - t0) * 1e3
         by_op: dict[str, Any] = {}
         for c in comms:
@@ -193,20 +217,25 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                 by_op.setdefault(k, {"bytes": 0, "calls": 0})
                 by_op[k]["bytes"] += v.bytes
                 by_op[k]["calls"] += v.calls
-        record = {"step": step + 1, "steps": args.steps, "loss": mean_loss, "lr": optimizer.lr, "grad_norm": norm,
+        record = {"step": step + 1, "steps": args.steps, "loss": loss, "lr": optimizer.lr, "grad_norm": norm,
                   "tokens_per_s": args.batch_size * block / (ms / 1e3), "ms": ms, "world": world.size,
                   "comm_bytes": sum(by_op.get(k, {"bytes": 0})["bytes"] for k in ("grads", "params")),
                   "comm_formula_bytes": engine.formula_bytes() if mesh.dp > 1 else 0.0,
                   "comm_bytes_by_op": {k: v["bytes"] for k, v in by_op.items()},
-                  "comm_calls_by_op": {k: v["calls"] for k, v in by_op.items()}, "model_state_bytes": state_bytes}
+                  "comm_calls_by_op": {k: v["calls"] for k, v in by_op.items()}, "model_state_bytes": state_bytes,
+                  "pipeline": pipeline.stats}
         records.append(record)
         if lead:
             report(record, args.json)
         if val_batches and args.eval_interval and ((step + 1) % args.eval_interval == 0 or step + 1 == args.steps):
-            val = {"step": step + 1, "val_loss": evaluate(engine, mesh, val_batches, args.eval_batches)}
+            val = {"step": step + 1, "val_loss": evaluate(engine, pipeline, mesh, val_batches, args.eval_batches)}
             records.append(val)
             if lead:
                 report(val, args.json)
+    if args.trace:
+        trace.write(args.trace, world)
+        if lead and not args.json:
+            print(f"wrote {args.trace} (open in ui.perfetto.dev, or: python -m minipar trace-plot {args.trace})", flush=True)
     if args.out:
         state = full_state_dict(engine, model, mesh, args.zero)
         if lead:

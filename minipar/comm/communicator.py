@@ -165,11 +165,11 @@ class Communicator:
         self.mpi.Sendrecv([send, MPI.BYTE], dest, tag, [recv, MPI.BYTE], source, tag)
         self._record(self._op(), send.nbytes)
 
-    def send(self, x: Any, dest: int, tag: int = 0) -> None:
-        """Blocking send of an xp array (cupy arrays are staged through the host)."""
+    def send(self, x: Any, dest: int, tag: int = 0, label: str | None = None) -> None:
+        """Blocking send of an xp array (cupy arrays are staged through the host); bytes filed under ``label``."""
         host = np.ascontiguousarray(to_host(x))
         self.mpi.Send([host, MPI.BYTE], dest, tag)
-        self._record(self._op(), host.nbytes)
+        self._record(label or self._op(), host.nbytes)
 
     def recv(self, x: Any, source: int, tag: int = 0) -> Any:
         """Blocking receive into the preallocated xp array ``x``; returns ``x``."""
@@ -181,11 +181,11 @@ class Communicator:
             self.mpi.Recv([x, MPI.BYTE], source, tag)
         return x
 
-    def isend(self, x: Any, dest: int, tag: int = 0) -> Handle:
+    def isend(self, x: Any, dest: int, tag: int = 0, label: str | None = None) -> Handle:
         """Non-blocking send; the handle's ``wait()`` returns when the buffer may be reused."""
         host = np.ascontiguousarray(to_host(x))
         request = self.mpi.Isend([host, MPI.BYTE], dest, tag)
-        self._record(self._op(), host.nbytes)
+        self._record(label or self._op(), host.nbytes)
         return _RequestHandle(request, keep_alive=host)
 
     def irecv(self, x: Any, source: int, tag: int = 0) -> Handle:
