@@ -1,4 +1,4 @@
-"""``python -m minipar {train,generate} ...`` — run ``python -m minipar <command> --help`` for the flags."""
+"""``python -m minipar {train,generate,trace-plot,export} ...`` — run ``python -m minipar <command> --help`` for the flags."""
 from __future__ import annotations
 
 import argparse
@@ -24,11 +24,32 @@ def generate(args: argparse.Namespace) -> None:
             print("-" * 40)
 
 
+def trace_plot(args: argparse.Namespace) -> None:
+    from minipar.trace import ascii_chart, load_events, png_chart
+
+    events = load_events(args.trace)
+    if not events:
+        raise ValueError(f"{args.trace}: no events (was it written by --trace?)")
+    print(ascii_chart(events, args.width))
+    if args.o:
+        png_chart(events, args.o)
+        print(f"wrote {args.o}")
+
+
+def export(args: argparse.Namespace) -> None:
+    from minipar.checkpoint import load_checkpoint
+    from minipar.models.gpt import GPT
+
+    loaded = load_checkpoint(args.ckpt)
+    GPT(loaded.config).save_hf(args.out, loaded.params)
+    print(f"exported step {loaded.step} ({loaded.layout_name}) to {args.out}/ (config.json + model.safetensors)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from minipar.train import add_arguments
 
     parser = argparse.ArgumentParser(prog="python -m minipar", description=__doc__.split("—")[0].strip(" `"))
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,generate}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,trace-plot,export}")
     train = commands.add_parser("train", help="train a GPT (single process or under mpiexec)",
                                 description="Train a GPT on the default corpus (this Python's standard library source) or --data.")
     add_arguments(train)
@@ -42,6 +63,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-samples", type=int, default=1)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    plot = commands.add_parser("trace-plot", help="draw a --trace timeline (ASCII, or PNG with -o)",
+                               description="Draw the per-rank timeline written by train --trace.")
+    plot.add_argument("trace", metavar="TRACE.json")
+    plot.add_argument("-o", metavar="OUT.png", help="also write the chart as a PNG")
+    plot.add_argument("--width", type=int, default=100, help="columns of the ASCII chart")
+    exp = commands.add_parser("export", help="write a sharded checkpoint as one Hugging Face GPT-2 directory",
+                              description="Merge a checkpoint saved by train --save (any dp/tp/pp/zero layout) into "
+                                          "config.json + model.safetensors.")
+    exp.add_argument("--ckpt", required=True, metavar="DIR", help="the --save directory, or one step_NNNNNN in it")
+    exp.add_argument("--out", required=True, metavar="DIR")
     return parser
 
 
@@ -53,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
             train(args)
         else:
-            generate(args)
-    except (ValueError, FileNotFoundError, KeyError, RuntimeError) as e:
+            {"generate": generate, "trace-plot": trace_plot, "export": export}[args.command](args)
+    except (ValueError, FileNotFoundError, KeyError, RuntimeError, OSError) as e:
         print(f"minipar {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -1,4 +1,5 @@
-"""Checkpoint files: safetensors read/write with numpy alone, always written atomically.
+"""Checkpoint files: safetensors read/write with numpy alone, always written atomically, and the
+sharded training checkpoints (save in one parallel layout, load into any other).
 
 safetensors layout: an 8-byte little-endian length N, then N bytes of JSON header
 ``{name: {"dtype": "F32", "shape": [...], "data_offsets": [begin, end]}, "__metadata__": {...}}``,
@@ -6,6 +7,8 @@ then the raw little-endian tensor bytes (offsets count from the end of the heade
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import struct
@@ -83,3 +86,116 @@ def decode_safetensors(blob: bytes, path: str = "<bytes>") -> tuple[dict[str, np
             raise TypeError(f"{path}: tensor {name} has unsupported dtype {dtype}")
         tensors[name] = array.reshape(info["shape"])
     return tensors, metadata
+
+
+# ------------------------------------------------------------------- sharded training checkpoints
+#
+#   DIR/step_000010/pp0-tp0.safetensors   one file per (pipeline stage, tensor-parallel rank), written by
+#   DIR/step_000010/pp0-tp1.safetensors   data-parallel rank 0 of that group: the group's parameters and
+#   ...                                   Adam moments ("param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>"),
+#   DIR/step_000010/manifest.json         whole over ZeRO shards, sliced as that tp rank holds them.
+#   DIR/latest                            The manifest (size + sha256 of every file) is written last, then
+#                                         `latest`: a step without a manifest is an interrupted save.
+#
+# Loading merges the slices into full tensors, so a checkpoint restarts in any dp/tp/pp/zero layout.
+
+CHECKPOINT_FORMAT = "minipar-checkpoint-1"
+STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+@dataclasses.dataclass
+class Checkpoint:
+    path: str
+    step: int
+    optimizer_step: int
+    config: Any
+    layout: dict[str, int]
+    params: dict[str, np.ndarray]
+    exp_avg: dict[str, np.ndarray]
+    exp_avg_sq: dict[str, np.ndarray]
+
+    @property
+    def layout_name(self) -> str:
+        lay = self.layout
+        return f"dp{lay['dp']}·tp{lay['tp']}·pp{lay['pp']}" + (f" zero-{lay['zero']}" if lay["zero"] else "")
+
+
+def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]] | None, mesh: Any, config: Any,
+                    zero: int, optimizer_step: int) -> str:
+    """Write this rank's share of a checkpoint (``state`` is None on ranks that hold duplicates); all ranks call.
+
+    ``state`` maps each of STATE_KINDS to this rank's tensors by global parameter name.
+    """
+    world = mesh.world
+    step_dir = os.path.join(root, f"step_{step:06d}")
+    os.makedirs(step_dir, exist_ok=True)
+    record = b""
+    if state is not None:
+        name = f"pp{mesh.pp_rank}-tp{mesh.tp_rank}.safetensors"
+        tensors = {f"{kind}/{n}": np.asarray(a) for kind in STATE_KINDS for n, a in state[kind].items()}
+        chunks = encode_safetensors(tensors, {"pp_rank": str(mesh.pp_rank), "tp_rank": str(mesh.tp_rank)})
+        atomic_write(os.path.join(step_dir, name), chunks)
+        digest = hashlib.sha256()
+        for chunk in chunks:
+            digest.update(chunk)
+        record = json.dumps({"file": name, "bytes": sum(len(c) for c in chunks), "sha256": digest.hexdigest(),
+                             "pp_rank": mesh.pp_rank, "tp_rank": mesh.tp_rank}).encode()
+    records = [json.loads(r) for r in world.all_gather_bytes(record, label="checkpoint") if r]
+    if world.rank == 0:
+        manifest = {"format": CHECKPOINT_FORMAT, "step": step, "optimizer_step": optimizer_step,
+                    "config": dataclasses.asdict(config),
+                    "layout": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "zero": zero}, "files": records}
+        atomic_write(os.path.join(step_dir, "manifest.json"), [json.dumps(manifest, indent=1).encode()])
+        atomic_write(os.path.join(root, "latest"), [f"step_{step:06d}\n".encode()])
+    world.barrier()
+    return step_dir
+
+
+def _resolve(path: str) -> str:
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        return path
+    latest = os.path.join(path, "latest")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            return os.path.join(path, f.read().strip())
+    if os.path.isdir(path) and os.path.basename(os.path.normpath(path)).startswith("step_"):
+        raise FileNotFoundError(f"{path}: incomplete checkpoint (no manifest.json): its save was interrupted")
+    raise FileNotFoundError(f"{path}: no checkpoint here (expected DIR/latest or DIR/step_NNNNNN/manifest.json)")
+
+
+def load_checkpoint(path: str) -> Checkpoint:
+    """Read, verify (presence, size, sha256 of every shard) and merge a checkpoint into full tensors."""
+    from minipar.models.gpt import GPTConfig
+    from minipar.parallel.tensor_parallel import merge_state_dicts
+
+    step_dir = _resolve(path)
+    with open(os.path.join(step_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{step_dir}: not a {CHECKPOINT_FORMAT} checkpoint (format {manifest.get('format')!r})")
+    layout, config = manifest["layout"], GPTConfig(**manifest["config"])
+    by_position = {}
+    for entry in manifest["files"]:
+        file = os.path.join(step_dir, entry["file"])
+        if not os.path.isfile(file):
+            raise FileNotFoundError(f"checkpoint {step_dir}: shard {entry['file']} is missing")
+        with open(file, "rb") as f:
+            blob = f.read()
+        if len(blob) != entry["bytes"]:
+            raise ValueError(f"checkpoint {step_dir}: shard {entry['file']} has {len(blob)} bytes, "
+                             f"the manifest says {entry['bytes']} (truncated?)")
+        if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
+            raise ValueError(f"checkpoint {step_dir}: shard {entry['file']} is corrupted (sha256 mismatch)")
+        by_position[(entry["pp_rank"], entry["tp_rank"])] = decode_safetensors(blob, file)[0]
+    expected = {(p, t) for p in range(layout["pp"]) for t in range(layout["tp"])}
+    if set(by_position) != expected:
+        raise FileNotFoundError(f"checkpoint {step_dir}: shards for {sorted(expected - set(by_position))} are missing")
+    full: dict[str, dict[str, np.ndarray]] = {kind: {} for kind in STATE_KINDS}
+    for kind in STATE_KINDS:
+        prefix = kind + "/"
+        for stage in range(layout["pp"]):
+            slices = [{k[len(prefix):]: v for k, v in by_position[(stage, t)].items() if k.startswith(prefix)}
+                      for t in range(layout["tp"])]
+            full[kind].update(merge_state_dicts(slices, config) if layout["tp"] > 1 else slices[0])
+    return Checkpoint(step_dir, manifest["step"], manifest["optimizer_step"], config, layout,
+                      full["param"], full["exp_avg"], full["exp_avg_sq"])

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterable
 
-from minipar.backend import xp
+from minipar.backend import to_device, to_host, xp
 from minipar.nn import Parameter
 
 
@@ -76,6 +76,20 @@ class AdamW(Optimizer):
 
     def state_arrays(self) -> list[Any]:
         return self.m + self.v
+
+    def export_state(self, names: dict[int, str]) -> dict[str, dict[str, Any]]:
+        """Adam's moments by parameter name (``names``: id(parameter) -> name), as host arrays."""
+        return {"exp_avg": {names[id(p)]: to_host(m) for p, m in zip(self.params, self.m)},
+                "exp_avg_sq": {names[id(p)]: to_host(v) for p, v in zip(self.params, self.v)}}
+
+    def import_state(self, exp_avg: dict[str, Any], exp_avg_sq: dict[str, Any], names: dict[int, str], step: int) -> None:
+        """Set the moments (by name, shapes checked) and the step count, e.g. from a checkpoint."""
+        for p, m, v in zip(self.params, self.m, self.v):
+            name = names[id(p)]
+            if exp_avg[name].shape != m.shape:
+                raise ValueError(f"{name}: optimizer state of shape {exp_avg[name].shape}, parameter is {m.shape}")
+            m[...], v[...] = to_device(exp_avg[name]), to_device(exp_avg_sq[name])
+        self.step_count = step
 
     def step(self) -> None:
         self.step_count += 1

@@ -53,19 +53,14 @@ class Tracer:
 
     def write(self, path: str, comm: Any) -> None:
         """Gather every rank's events on rank 0 and write them as one Chrome trace (all ranks must call)."""
-        mine = np.frombuffer(json.dumps(self.events).encode(), np.uint8)
-        sizes = [int(n) for n in comm.all_gather(np.array([mine.size]), label="trace")]
-        everything = comm.all_gather(mine, sizes=sizes, label="trace")
+        gathered = comm.all_gather_bytes(json.dumps(self.events).encode(), label="trace")
         if comm.rank == 0:
-            events, offset = [], 0
-            for n in sizes:
-                events += json.loads(bytes(everything[offset:offset + n]).decode())
-                offset += n
+            events = [e for blob in gathered for e in json.loads(blob.decode())]
             names = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in range(comm.size)]
             atomic_write(path, [json.dumps({"traceEvents": names + events, "displayTimeUnit": "ms"}).encode()])
 
 
-tracer = Tracer()
+tracer = Tracer()  # one per process
 span = tracer.span
 start = tracer.start
 write = tracer.write

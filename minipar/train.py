@@ -12,6 +12,7 @@ code in every layout: engine(x, y) → backward → engine.sync_gradients() → 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from typing import Any
@@ -20,6 +21,7 @@ import numpy as np
 
 from minipar import trace
 from minipar.backend import set_device
+from minipar.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from minipar.comm import Communicator
 from minipar.data import Batches, load_tokens, shard_rows, split_tokens
 from minipar.models.gpt import GPT, GPTConfig, hf_config
@@ -27,7 +29,8 @@ from minipar.optim import AdamW, cosine_lr
 from minipar.parallel.data_parallel import DataParallel
 from minipar.parallel.mesh import Mesh
 from minipar.parallel.pipeline import SCHEDULES, Pipeline, stage_blocks, stage_state
-from minipar.parallel.tensor_parallel import check_tensor_parallel, gather_tensor_parallel_state, tensor_parallel
+from minipar.parallel.tensor_parallel import (check_tensor_parallel, gather_tensor_parallel_state, shard_state_dict,
+                                              tensor_parallel)
 from minipar.parallel.zero import ZeRO
 
 
@@ -57,6 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     io.add_argument("--eval-interval", type=int, default=100, help="validation loss every N steps (0: never)")
     io.add_argument("--eval-batches", type=int, default=4)
     io.add_argument("--out", metavar="DIR", help="save the final model here (Hugging Face format)")
+    io.add_argument("--save", metavar="DIR", help="write sharded training checkpoints (parameters + AdamW) here")
+    io.add_argument("--save-interval", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    io.add_argument("--resume", metavar="DIR", help="continue from a --save checkpoint (any parallel layout)")
     io.add_argument("--json", action="store_true", help="one JSON object per step instead of a text line")
 
     par = p.add_argument_group("parallelism")
@@ -69,14 +75,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto timeline")
 
 
-def model_config(args: argparse.Namespace) -> GPTConfig:
+def model_config(args: argparse.Namespace, resumed: Checkpoint | None = None) -> GPTConfig:
+    if resumed is not None:
+        return dataclasses.replace(resumed.config, dtype=args.dtype)
     if args.init_from:
         return hf_config(args.init_from, dtype=args.dtype)
     return GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                      n_embd=args.n_embd, dtype=args.dtype)
 
 
-def validate(args: argparse.Namespace, world_size: int) -> GPTConfig:
+def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | None) -> GPTConfig:
     """Reject bad input before anything is built or communicated (every rank reaches the same verdict)."""
     for name in ("steps", "batch_size", "microbatches", "block_size", "dp", "tp", "pp", "bucket_mb"):
         if getattr(args, name) <= 0:
@@ -92,16 +100,41 @@ def validate(args: argparse.Namespace, world_size: int) -> GPTConfig:
     if args.zero >= 2 and args.pp > 1:
         raise ValueError("--zero 2/3 reduce-scatter every microbatch's gradients; with --pp use --zero 0 or 1 "
                          "(as DeepSpeed does)")
-    cfg = model_config(args)
+    if args.save_interval < 0:
+        raise ValueError(f"--save-interval must be >= 0, got {args.save_interval}")
+    if resumed is not None and resumed.step >= args.steps:
+        raise ValueError(f"{resumed.path} is at step {resumed.step}; --steps {args.steps} leaves nothing to train")
+    cfg = model_config(args, resumed)
     check_tensor_parallel(cfg, args.tp)
     stage_blocks(cfg.n_layer, args.pp, 0)
     return cfg
 
 
-def build_model(args: argparse.Namespace, mesh: Mesh) -> GPT:
-    """The full model on every rank (same seed or checkpoint), then this rank's tensor-parallel slice."""
-    model = GPT.from_hf(args.init_from, dtype=args.dtype) if args.init_from else GPT(model_config(args), seed=args.seed)
+def build_model(args: argparse.Namespace, cfg: GPTConfig, mesh: Mesh, resumed: Checkpoint | None) -> GPT:
+    """The full model on every rank (same seed, HF checkpoint or training checkpoint), then this rank's tp slice."""
+    if args.init_from and resumed is None:
+        model = GPT.from_hf(args.init_from, dtype=args.dtype)
+    else:
+        model = GPT(cfg, seed=args.seed)
+        if resumed is not None:
+            model.load_state_dict(resumed.params)
     return tensor_parallel(model, mesh.tp_comm) if mesh.tp > 1 else model
+
+
+def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoint) -> None:
+    """Adam's moments from a checkpoint of any layout: this rank's tp slice of the full tensors."""
+    moments = [resumed.exp_avg, resumed.exp_avg_sq]
+    if mesh.tp > 1:
+        moments = [shard_state_dict(m, model.config, mesh.tp, mesh.tp_rank) for m in moments]
+    optimizer.import_state(*moments, {id(p): n for n, p in model.named_parameters()}, resumed.optimizer_step)
+
+
+def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any, model: GPT, mesh: Mesh) -> str:
+    """Save parameters and AdamW state in this layout; dp rank 0 of each (pp, tp) group writes its slice."""
+    params = engine.gathered_state_dict() if args.zero else model.state_dict()
+    moments = optimizer.export_state({id(p): n for n, p in model.named_parameters()})
+    state = {"param": params, **moments} if mesh.dp_rank == 0 else None
+    return save_checkpoint(args.save, step, state, mesh, model.config, args.zero, optimizer.step_count)
 
 
 def build_engine(model: GPT, comm: Communicator, args: argparse.Namespace) -> tuple[Any, Any]:
@@ -169,19 +202,22 @@ def report(record: dict[str, Any], as_json: bool) -> None:
 def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the training job described by ``args`` on every rank; returns the per-step records."""
     world = Communicator()
-    cfg = validate(args, world.size)
+    resumed = load_checkpoint(args.resume) if args.resume else None
+    cfg = validate(args, world.size, resumed)
     set_device(args.device)
     tokens = load_tokens(args.data)
     mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp)
     comms = [world, mesh.dp_comm, mesh.tp_comm, mesh.pp_comm]
-    model = build_model(args, mesh)
+    model = build_model(args, cfg, mesh, resumed)
     pipeline = Pipeline(model, mesh.pp_comm, args.schedule)
-    block = cfg.block_size if args.init_from else args.block_size
+    block = cfg.block_size
     train_tokens, val_tokens = split_tokens(tokens)
     batches = Batches(train_tokens, args.batch_size, block, seed=args.seed)
     val_batches = Batches(val_tokens, args.batch_size, block, seed=args.seed + 1) if len(val_tokens) > block + 2 else None
     n_params = GPT(cfg).num_parameters() if mesh.tp > 1 else model.num_parameters()
     engine, optimizer = build_engine(model, mesh.dp_comm, args)
+    if resumed is not None:
+        restore_optimizer(optimizer, model, mesh, resumed)
     tp_sum, pp_sum = group_sum(mesh.tp_comm), group_sum(mesh.pp_comm)
     m, lead = args.microbatches, world.rank == 0
     if lead and not args.json:
@@ -190,11 +226,13 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         layout += f" zero-{args.zero}" if args.zero else ""
         print(f"minipar: GPT {n_params:,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={block}), "
               f"{len(tokens):,} tokens, batch {args.batch_size}×{block}, {args.dtype} on {args.device}{layout}", flush=True)
+        if resumed is not None:
+            print(f"resumed from {resumed.path} (step {resumed.step}, saved as {resumed.layout_name})", flush=True)
 
     if args.trace:
         trace.start(world)
     records = []
-    for step in range(args.steps):
+    for step in range(resumed.step if resumed else 0, args.steps):
         t0 = time.perf_counter()
         for c in comms:
             c.reset_stats()
@@ -232,6 +270,10 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             records.append(val)
             if lead:
                 report(val, args.json)
+        if args.save and ((args.save_interval and (step + 1) % args.save_interval == 0) or step + 1 == args.steps):
+            saved = checkpoint(args, step + 1, engine, optimizer, model, mesh)
+            if lead and not args.json:
+                print(f"checkpoint {saved}", flush=True)
     if args.trace:
         trace.write(args.trace, world)
         if lead and not args.json:

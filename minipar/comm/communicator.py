@@ -248,6 +248,14 @@ class Communicator:
 
         return self._collective("all_gather", x, async_op, run, label, in_place=False, same_shape=False, sizes=sizes)
 
+    def all_gather_bytes(self, data: bytes, label: str | None = None) -> list[bytes]:
+        """Every rank's ``data`` (any length), in rank order, on every rank: an all-gather of the
+        lengths, then an all-gather(v) of the bytes."""
+        sizes = [int(n) for n in self.all_gather(np.array([len(data)]), label=label)]
+        everything = self.all_gather(np.frombuffer(data, np.uint8), sizes=sizes, label=label).tobytes()
+        offsets = np.cumsum([0] + sizes).tolist()
+        return [everything[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
     def broadcast(self, x: Any, root: int = 0, async_op: bool = False, label: str | None = None) -> Any:
         """Root's ``x`` into every rank's ``x`` (binomial tree, ⌈log₂p⌉ rounds); returns ``x``."""
         self._check_root(root)

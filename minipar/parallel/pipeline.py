@@ -223,11 +223,8 @@ def stage_state(local: dict[str, np.ndarray], comm: Communicator) -> dict[str, n
     """Every stage's parameters by name, on every rank of the pipeline group (stages hold disjoint names)."""
     from minipar.checkpoint import decode_safetensors, encode_safetensors
 
-    blob = np.frombuffer(b"".join(encode_safetensors({k: to_host(v) for k, v in local.items()})), np.uint8)
-    sizes = [int(n) for n in comm.all_gather(np.array([blob.size]), label="checkpoint")]
-    everything = comm.all_gather(blob, sizes=sizes, label="checkpoint")
-    merged, offset = {}, 0
-    for n in sizes:
-        merged.update(decode_safetensors(bytes(everything[offset:offset + n]))[0])
-        offset += n
+    blob = b"".join(encode_safetensors({k: to_host(v) for k, v in local.items()}))
+    merged = {}
+    for stage_blob in comm.all_gather_bytes(blob, label="checkpoint"):
+        merged.update(decode_safetensors(stage_blob)[0])
     return merged

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 from minipar.autograd import Context, Function, Tensor
-from minipar.backend import xp
+from minipar.backend import to_device, to_host, xp
 from minipar.comm import Communicator, Handle
 from minipar.comm.collectives import chunk_bounds
 from minipar.nn import Module, ModuleList
@@ -233,15 +233,33 @@ class ZeRO(ReplicatedModel, Optimizer):
                 "grads": live_bytes([p.grad for p in self.params] + [s.grad for s in self.shards]),
                 "optimizer": live_bytes(self.state_arrays())}
 
-    def gathered_state_dict(self) -> dict[str, Any]:
-        """The full parameters by name on every rank (stage 3 all-gathers each unit once)."""
+    def _gathered(self, pick: Callable[[Shard], Any]) -> dict[str, Any]:
+        """A per-parameter full array from every rank's slice ``pick(shard)`` (one all-gather per group)."""
         names = {id(p): n for n, p in self.module.named_parameters()}
-        state = {}
+        out = {}
         for shard in self.shards:
-            full = shard.flat if self.stage < 3 else self.comm.all_gather(shard.params, sizes=shard.sizes, label="params")
+            full = self.comm.all_gather(pick(shard), sizes=shard.sizes, label="checkpoint")
             for i, p in enumerate(shard.bucket.params):
-                state[names[id(p)]] = shard.bucket.slot(full, i).copy()
-        return state
+                out[names[id(p)]] = to_host(shard.bucket.slot(full, i)).copy()
+        return out
+
+    def gathered_state_dict(self) -> dict[str, Any]:
+        """The full parameters by name on every rank."""
+        return self._gathered(lambda s: s.params)
+
+    def export_state(self, names: dict[int, str] | None = None) -> dict[str, dict[str, Any]]:
+        """Adam's moments by parameter name, gathered whole from the shards (all ranks must call)."""
+        return {"exp_avg": self._gathered(lambda s: s.m), "exp_avg_sq": self._gathered(lambda s: s.v)}
+
+    def import_state(self, exp_avg: dict[str, Any], exp_avg_sq: dict[str, Any], names: dict[int, str] | None = None,
+                     step: int = 0) -> None:
+        """Take this rank's slice of full per-name moments (e.g. from a checkpoint saved in another layout)."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        for shard in self.shards:
+            for moments, target in ((exp_avg, shard.m), (exp_avg_sq, shard.v)):
+                flat = shard.bucket.flatten([to_device(moments[names[id(p)]]) for p in shard.bucket.params])
+                target[...] = flat[shard.lo:shard.hi]
+        self.step_count = step
 
 
 class _GradHolder:

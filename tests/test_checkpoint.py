@@ -1,0 +1,125 @@
+"""Sharded checkpoints: kill and resume continues the identical loss trajectory; a checkpoint saved
+in one layout resumes in another; export to Hugging Face from any layout; damaged checkpoints fail
+clearly before training starts."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from minipar.checkpoint import load_checkpoint, read_safetensors
+from minipar.models.gpt import GPT
+from minipar.testing import RANK_ENV, mpiexec, run_command
+
+MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
+         "--eval-interval", "0", "--json", "--lr", "3e-3", "--warmup", "5", "--dtype", "float64"]
+
+
+def launch(ranks, args):
+    command = [sys.executable, "-m", "minipar", "train", *MODEL, *args]
+    return command if ranks == 1 else [mpiexec(), "-n", str(ranks), *command]
+
+
+def train(ranks, args):
+    if ranks == 1:
+        proc = subprocess.run(launch(1, args), capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        text = proc.stdout
+    else:
+        text = run_command(ranks, launch(1, args), timeout=300)
+    return {r["step"]: r["loss"] for r in map(json.loads, text.splitlines()) if "loss" in r}
+
+
+def test_kill_and_resume_gives_the_identical_trajectory(tmp_path):
+    steps, save = 100, str(tmp_path / "ckpt")
+    reference = train(2, ["--dp", "2", "--steps", str(steps)])
+    proc = subprocess.Popen(launch(2, ["--dp", "2", "--steps", str(steps), "--save", save, "--save-interval", "5"]),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+                            env={**os.environ, **RANK_ENV})
+    try:
+        for line in proc.stdout:
+            if json.loads(line)["step"] >= 10:
+                break
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # no clean shutdown: whatever was mid-write stays half-written
+        proc.wait()
+    resumed_from = load_checkpoint(save).step
+    assert 5 <= resumed_from < steps, "the run must have been killed between checkpoints"
+    resumed = train(2, ["--dp", "2", "--steps", str(steps), "--resume", save])
+    assert min(resumed) == resumed_from + 1 and max(resumed) == steps
+    assert all(resumed[s] == reference[s] for s in resumed), "resumed losses must equal the uninterrupted run's"
+
+
+@pytest.fixture(scope="module")
+def saved_dp2_tp2(tmp_path_factory):
+    """10 steps with dp2·tp2 + ZeRO-1, checkpointed at step 5."""
+    root = tmp_path_factory.mktemp("ckpt")
+    train(4, ["--dp", "2", "--tp", "2", "--zero", "1", "--steps", "10", "--save", str(root / "c"), "--save-interval", "5"])
+    return root
+
+
+@pytest.mark.parametrize("ranks,layout", [(1, []), (4, ["--tp", "4"]), (4, ["--pp", "2", "--dp", "2"]),
+                                          (2, ["--dp", "2", "--zero", "3"])])
+def test_resume_in_another_layout(saved_dp2_tp2, tmp_path, ranks, layout):
+    single = train(1, ["--steps", "10", "--out", str(tmp_path / "single")])
+    resumed = train(ranks, [*layout, "--steps", "10", "--resume", str(saved_dp2_tp2 / "c" / "step_000005"),
+                            "--out", str(tmp_path / "resumed")])
+    assert sorted(resumed) == list(range(6, 11))
+    np.testing.assert_allclose([resumed[s] for s in range(6, 11)], [single[s] for s in range(6, 11)], rtol=1e-9)
+    final, expected = (read_safetensors(str(tmp_path / d / "model.safetensors"))[0] for d in ("resumed", "single"))
+    for name, value in expected.items():
+        np.testing.assert_allclose(final[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
+def test_export_to_hugging_face_from_a_sharded_layout(saved_dp2_tp2, tmp_path):
+    out = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "minipar", "export", "--ckpt", str(saved_dp2_tp2 / "c"), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "step 10 (dp2·tp2·pp1 zero-1)" in proc.stdout
+    model, ckpt = GPT.from_hf(str(out)), load_checkpoint(str(saved_dp2_tp2 / "c"))
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(value, ckpt.params[name])
+    assert ckpt.params["transformer.wte.weight"].shape == (256, 16)  # tp padding stripped
+
+
+def _damage(step_dir, how):
+    shard = os.path.join(step_dir, "pp0-tp1.safetensors")
+    if how == "missing":
+        os.remove(shard)
+    elif how == "corrupted":
+        blob = bytearray(open(shard, "rb").read())
+        blob[-3] ^= 0xFF
+        open(shard, "wb").write(bytes(blob))
+    elif how == "truncated":
+        blob = open(shard, "rb").read()
+        open(shard, "wb").write(blob[:-10])
+    elif how == "interrupted":
+        os.remove(os.path.join(step_dir, "manifest.json"))
+
+
+@pytest.mark.parametrize("how,message", [("missing", "shard pp0-tp1.safetensors is missing"),
+                                         ("corrupted", "is corrupted (sha256 mismatch)"),
+                                         ("truncated", "(truncated?)"),
+                                         ("interrupted", "incomplete checkpoint (no manifest.json)")])
+def test_damaged_checkpoint_is_a_clear_error_on_every_rank(saved_dp2_tp2, tmp_path, how, message):
+    import shutil
+
+    copy = tmp_path / "c"
+    shutil.copytree(saved_dp2_tp2 / "c", copy)
+    _damage(str(copy / "step_000005"), how)
+    with pytest.raises(AssertionError) as err:
+        run_command(2, launch(1, ["--dp", "2", "--steps", "10", "--resume", str(copy / "step_000005")]), timeout=60)
+    assert str(err.value).count(message) == 2 and "Traceback" not in str(err.value)
+
+
+def test_latest_points_at_a_complete_step(saved_dp2_tp2):
+    root = saved_dp2_tp2 / "c"
+    assert open(root / "latest").read().strip() == "step_000010"
+    manifest = json.load(open(root / "step_000010" / "manifest.json"))
+    assert manifest["layout"] == {"dp": 2, "tp": 2, "pp": 1, "zero": 1}
+    assert sorted(f["file"] for f in manifest["files"]) == ["pp0-tp0.safetensors", "pp0-tp1.safetensors"]
+    assert not [f for f in os.listdir(root / "step_000010") if ".tmp-" in f]
