@@ -1,0 +1,55 @@
+"""Pipeline bubble: the formula, the schedule's logical clock, and the wall clock.
+
+    mpiexec -n 2 python benchmarks/pipeline.py [--n-embd 128 --n-layer 4]
+
+For m microbatches on p stages the idle share should be (p−1)/(m+p−1). The wall-clock figure is
+1 − (time in forward/backward spans) / (step time), averaged over stages; it also contains the
+point-to-point transfer time and any imbalance between stages (the last one runs the head too).
+"""
+import argparse
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+from minipar import trace
+from minipar.comm import Communicator
+from minipar.models.gpt import GPT, GPTConfig
+from minipar.parallel.data_parallel import DataParallel
+from minipar.parallel.pipeline import Pipeline, bubble_fraction
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--microbatch-rows", type=int, default=2)
+    args = ap.parse_args()
+    comm = Communicator()
+    p = comm.size
+    cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=4, n_embd=args.n_embd)
+    if comm.rank == 0:
+        print(f"p = {p} stages, GPT L={cfg.n_layer} C={cfg.n_embd} T={cfg.block_size}, {args.microbatch_rows} rows per microbatch")
+        print(f"{'schedule':<8}{'m':>4}{'formula':>9}{'logical':>9}{'wall clock':>12}{'step ms':>9}")
+    for kind in ("gpipe", "1f1b"):
+        for m in (1, 2, 4, 8, 16):
+            model = GPT(cfg)
+            pipeline = Pipeline(model, comm, kind)
+            engine = DataParallel(model, comm.split(color=comm.rank))
+            x = np.random.default_rng(0).integers(0, 256, (m * args.microbatch_rows, args.block_size))
+            pipeline.run(engine, x, x, m)  # warm-up
+            trace.start(comm)
+            t0 = time.perf_counter()
+            pipeline.run(engine, x, x, m)
+            step = comm.mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            trace.tracer.enabled = False
+            busy = sum(e["dur"] for e in trace.tracer.events if e["cat"] in ("forward", "backward")) / 1e6
+            wall = comm.mpi.allreduce(1 - busy / step, op=MPI.SUM) / p
+            if comm.rank == 0:
+                print(f"{kind:<8}{m:>4}{bubble_fraction(p, m):>9.3f}{pipeline.stats['bubble']:>9.3f}{wall:>12.3f}"
+                      f"{step * 1e3:>9.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
