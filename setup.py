@@ -10,7 +10,7 @@ setup(
     python_requires=">=3.9",
     install_requires=["numpy>=1.24", "mpi4py>=4.0", "mpich"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2.1"],
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "triton>=3.2"],  # triton: kernel tests run in its CPU interpreter
         "gpu": ["cupy-cuda12x", "triton"],
     },
     entry_points={"console_scripts": ["minipar=minipar.__main__:main"]},

@@ -10,6 +10,9 @@ with :func:`set_device` takes effect everywhere, including in modules imported e
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 import types
 from typing import Any
 
@@ -71,8 +74,6 @@ def share_cores(local_ranks: int) -> int:
     the count chosen (0: left to the user). Works after numpy is loaded by calling OpenBLAS's
     own setter.
     """
-    import os
-
     if any(v in os.environ for v in _THREAD_VARS):
         return 0
     threads = max(1, (os.cpu_count() or 1) // max(1, local_ranks))
@@ -94,6 +95,38 @@ def _set_loaded_openblas_threads(threads: int) -> None:
             if setter is not None:
                 setter(ctypes.c_int(threads))
                 break
+
+
+KERNEL_MODES = ("auto", "triton", "reference")
+KERNEL_DTYPES = ("float16", "bfloat16", "float32")  # what the Triton kernels implement
+_kernel_mode = "auto"
+
+
+def set_kernels(mode: str) -> None:
+    """Route matmul and attention through the Triton kernels (``"triton"``), through numpy/cupy
+    (``"reference"``), or through Triton exactly when on the GPU (``"auto"``, the default).
+
+    On the CPU "triton" means Triton's interpreter (needs TRITON_INTERPRET=1): slow, for testing.
+    Float64 always takes the reference path. The environment variable MINIPAR_KERNELS sets the start value.
+    """
+    global _kernel_mode
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"unknown kernel mode {mode!r}: expected one of {KERNEL_MODES}")
+    if mode == "triton" and not _triton_installed():
+        raise RuntimeError("--kernels triton needs triton: pip install 'minipar[gpu]' (or triton)")
+    _kernel_mode = mode
+
+
+def use_triton(dtype: Any) -> bool:
+    """Whether an op on arrays of ``dtype`` should run the Triton kernel."""
+    if str(numpy.dtype(dtype)) not in KERNEL_DTYPES or _kernel_mode == "reference":
+        return False
+    return _kernel_mode == "triton" or (_active is not numpy and _triton_installed())
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def set_device(device: str) -> None:
@@ -138,3 +171,6 @@ def resolve_dtype(name: str | Any) -> Any:
             raise ValueError(f"unknown dtype {name!r}: expected one of {sorted(DTYPES)}")
         return DTYPES[name]
     return numpy.dtype(name).type
+
+
+set_kernels(os.environ.get("MINIPAR_KERNELS", "auto"))

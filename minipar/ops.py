@@ -15,7 +15,7 @@ import math
 from typing import Any, Sequence
 
 from minipar.autograd import Context, Function, Tensor
-from minipar.backend import xp
+from minipar.backend import use_triton, xp
 
 # ------------------------------------------------------------------------------------------ helpers
 
@@ -31,6 +31,15 @@ def unbroadcast(grad: Any, shape: tuple[int, ...]) -> Any:
 
 def _shape(x: Any) -> tuple[int, ...]:
     return getattr(x, "shape", ())
+
+
+def _matmul2d(a: Any, b: Any) -> Any:
+    """a @ b for matrices: the Triton kernel when the backend says so (kernels/matmul.py), else BLAS."""
+    if use_triton(a.dtype):
+        from kernels.matmul import matmul
+
+        return matmul(a, b)
+    return a @ b
 
 
 # ------------------------------------------------------------------------------------- elementwise
@@ -293,7 +302,7 @@ class Linear(Function):
     @staticmethod
     def forward(ctx: Context, x: Any, w: Any, b: Any = None, transposed: bool = False) -> Any:
         ctx.transposed, ctx.has_bias = transposed, b is not None
-        out = x.reshape(-1, x.shape[-1]) @ (w.T if transposed else w)
+        out = _matmul2d(x.reshape(-1, x.shape[-1]), w.T if transposed else w)
         if b is not None:
             out += b
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -303,10 +312,10 @@ class Linear(Function):
         x, w = ctx.input(0), ctx.input(1)
         w_in_out = w.T if ctx.transposed else w
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
-        gx = (g2 @ w_in_out.T).reshape(x.shape) if ctx.needs_input_grad[0] else None
+        gx = _matmul2d(g2, w_in_out.T).reshape(x.shape) if ctx.needs_input_grad[0] else None
         gw = None
         if ctx.needs_input_grad[1]:
-            gw = g2.T @ x2 if ctx.transposed else x2.T @ g2
+            gw = _matmul2d(g2.T, x2) if ctx.transposed else _matmul2d(x2.T, g2)
         gb = g2.sum(axis=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None
 
@@ -458,18 +467,18 @@ class CrossEntropy(Function):
         total = probs.sum(axis=-1, keepdims=True)
         probs /= total
         logsumexp = xp.log(total[:, 0]) + zmax[:, 0]
-        count = max(int(keep.sum()), 1)
+        count = xp.maximum(keep.sum(), 1)  # stays on the device: no host round-trip in the step
         loss = ((logsumexp - z[rows, safe_t]) * keep).sum() / count
         ctx.save_for_backward(probs, safe_t, keep, rows)
         ctx.shape, ctx.count = logits.shape, count
-        return xp.asarray(loss, dtype=logits.dtype)
+        return loss.astype(logits.dtype)
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
         probs, safe_t, keep, rows = ctx.saved
         grad = probs  # consumed: the graph is freed after backward
         grad[rows, safe_t] -= 1.0
-        grad *= (g / ctx.count) * keep[:, None]
+        grad *= (g / ctx.count) * keep[:, None].astype(grad.dtype)
         return grad.reshape(ctx.shape), None, None
 
 
@@ -480,7 +489,9 @@ class CausalSelfAttention(Function):
     Backward:          dv = Pᵀ dy,  dP = dy vᵀ,  dS = P ⊙ (dP - Σ_row dP ⊙ P) / √D,
                        dq = dS k,   dk = dSᵀ q.
     Returns (B, T, C) with heads concatenated, as GPT-2 does. ``n_head`` is the number of heads
-    present in ``qkv``: all of them, or the local share under tensor parallelism.
+    present in ``qkv``: all of them, or the local share under tensor parallelism. When the backend
+    routes it to Triton (``backend.use_triton``), kernels/flash_attention.py computes the same
+    function block by block, saving only the log-sum-exp instead of P.
     """
 
     @staticmethod
@@ -489,6 +500,14 @@ class CausalSelfAttention(Function):
         C = C3 // 3
         D = C // n_head
         q, k, v = qkv.reshape(B, T, 3, n_head, D).transpose(2, 0, 3, 1, 4)  # each (B, H, T, D), views
+        ctx.flash = use_triton(qkv.dtype)
+        if ctx.flash:  # kernels/flash_attention.py: online softmax, never the (T, T) matrix
+            from kernels.flash_attention import attention_forward
+
+            out = xp.empty((B, T, n_head, D), dtype=qkv.dtype)
+            lse = attention_forward(q, k, v, out.transpose(0, 2, 1, 3))
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out.reshape(B, T, C)
         scale = 1.0 / math.sqrt(D)
         s = q @ xp.swapaxes(k, -1, -2)
         s *= scale
@@ -501,11 +520,18 @@ class CausalSelfAttention(Function):
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
-        q, k, v, p = ctx.saved
+        q, k, v = ctx.saved[:3]
         B, H, T, D = q.shape
-        gy = g.reshape(B, T, H, D).transpose(0, 2, 1, 3)
+        gy = xp.ascontiguousarray(g).reshape(B, T, H, D).transpose(0, 2, 1, 3)
         gqkv = xp.empty((B, T, 3, H, D), dtype=g.dtype)
         gqkv_heads = gqkv.transpose(2, 0, 3, 1, 4)  # (3, B, H, T, D) view
+        if ctx.flash:
+            from kernels.flash_attention import attention_backward
+
+            out, lse = ctx.saved[3:]
+            attention_backward(q, k, v, out.transpose(0, 2, 1, 3), lse, gy, *gqkv_heads)
+            return gqkv.reshape(B, T, 3 * H * D), None
+        p = ctx.saved[3]
         xp.matmul(xp.swapaxes(p, -1, -2), gy, out=gqkv_heads[2])
         ds = _softmax_backward(p, gy @ xp.swapaxes(v, -1, -2), axis=-1)
         ds *= ctx.scale

@@ -52,7 +52,7 @@ class Optimizer:
         for p in self.params:
             p.grad = None
 
-    def clip_grad_norm(self, max_norm: float, sum_squares: Callable[[float], float] = lambda s: s) -> float:
+    def clip_grad_norm(self, max_norm: float, sum_squares: Callable[[Any], Any] = lambda s: s) -> Any:
         """Clip the global gradient norm of the parameters this optimizer updates; returns the norm before.
 
         ``sum_squares`` adds the other ranks' Σg² when parameters are split across ranks (tensor parallelism).
@@ -131,20 +131,22 @@ def cosine_lr(step: int, *, max_lr: float, warmup_steps: int, total_steps: int, 
 
 
 def clip_grad_norm(params: Iterable[Parameter], max_norm: float,
-                   sum_squares: Callable[[float], float] = lambda s: s) -> float:
-    """Scale all gradients so their global L2 norm is at most ``max_norm``; returns the norm before clipping.
+                   sum_squares: Callable[[Any], Any] = lambda s: s) -> Any:
+    """Scale all gradients so their global L2 norm is at most ``max_norm``; returns the norm before
+    clipping as a 0-d xp array (``float(norm)`` when you need it on the host).
 
     ``sum_squares`` turns this rank's Σg² into the global one: identity for one process, an
     all-reduce over the ranks that hold disjoint pieces of the gradients when they are sharded.
     A parameter's ``norm_scale`` (default 1; a scalar or one weight per element) weighs its
     squares: 0 on the ranks whose copy of a replicated parameter another rank already counts.
+    The decision to clip is made on the device (a factor of 1 when the norm is within bounds),
+    so a GPU step never waits for the host here.
     """
     held = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in held]
-    local = float(sum(float((g * g * getattr(p, "norm_scale", 1.0)).sum()) for p, g in zip(held, grads)))
-    norm = math.sqrt(sum_squares(local))
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for g in grads:
-            g *= scale
+    local = sum((((p.grad * p.grad) * getattr(p, "norm_scale", 1.0)).sum() for p in held), xp.zeros(()))
+    norm = xp.sqrt(xp.asarray(sum_squares(local)))
+    if max_norm > 0:
+        scale = xp.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
+        for p in held:
+            p.grad *= scale.astype(p.grad.dtype)
     return norm

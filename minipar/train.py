@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from minipar import trace
-from minipar.backend import set_device
+from minipar.backend import KERNEL_MODES, set_device, set_kernels, xp
 from minipar.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
 from minipar.comm import Communicator
 from minipar.data import Batches, load_tokens, shard_rows, split_tokens
@@ -57,6 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     io = p.add_argument_group("data and output")
     io.add_argument("--data", metavar="PATH", help="any text file (default: this Python's standard-library source)")
     io.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    io.add_argument("--kernels", choices=list(KERNEL_MODES), default="auto",
+                    help="Triton kernels for matmul/attention: auto = on the GPU only")
     io.add_argument("--eval-interval", type=int, default=100, help="validation loss every N steps (0: never)")
     io.add_argument("--eval-batches", type=int, default=4)
     io.add_argument("--out", metavar="DIR", help="save the final model here (Hugging Face format)")
@@ -147,7 +149,7 @@ def build_engine(model: GPT, comm: Communicator, args: argparse.Namespace) -> tu
 
 def mean_loss(losses: list[float], mesh: Mesh) -> float:
     """The global mean of per-microbatch losses that live on the last pipeline stage of every dp group."""
-    local = np.array([np.mean(losses) if losses else 0.0])
+    local = np.array([np.mean([float(v) for v in losses]) if losses else 0.0])  # the step's one device→host sync
     return float(mesh.dp_comm.all_reduce(mesh.pp_comm.all_reduce(local, label="loss"), op="avg", label="loss")[0])
 
 
@@ -166,7 +168,7 @@ def group_sum(comm: Communicator):
     """s -> Σ over the ranks of ``comm`` (identity for one rank): a gradient norm's squares across a split."""
     if comm.size == 1:
         return lambda s: s
-    return lambda s: float(comm.all_reduce(np.array([s]), label="grad_norm")[0])
+    return lambda s: comm.all_reduce(xp.asarray(s, dtype=xp.float64).reshape(1), label="grad_norm")[0]
 
 
 def full_state_dict(engine: Any, model: GPT, mesh: Mesh, zero: int) -> dict[str, np.ndarray]:
@@ -205,6 +207,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     resumed = load_checkpoint(args.resume) if args.resume else None
     cfg = validate(args, world.size, resumed)
     set_device(args.device)
+    set_kernels(args.kernels)
     tokens = load_tokens(args.data)
     mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp)
     comms = [world, mesh.dp_comm, mesh.tp_comm, mesh.pp_comm]
@@ -255,7 +258,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                 by_op.setdefault(k, {"bytes": 0, "calls": 0})
                 by_op[k]["bytes"] += v.bytes
                 by_op[k]["calls"] += v.calls
-        record = {"step": step + 1, "steps": args.steps, "loss": loss, "lr": optimizer.lr, "grad_norm": norm,
+        record = {"step": step + 1, "steps": args.steps, "loss": loss, "lr": optimizer.lr, "grad_norm": float(norm),
                   "tokens_per_s": args.batch_size * block / (ms / 1e3), "ms": ms, "world": world.size,
                   "comm_bytes": sum(by_op.get(k, {"bytes": 0})["bytes"] for k in ("grads", "params")),
                   "comm_formula_bytes": engine.formula_bytes() if mesh.dp > 1 else 0.0,

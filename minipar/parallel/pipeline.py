@@ -128,8 +128,8 @@ class Pipeline:
             x = block(x)
         return model.head(x, to_device(targets))[1] if self.is_last else x
 
-    def run(self, engine: Any, x: np.ndarray, y: np.ndarray, m: int) -> list[float]:
-        """Forward and backward of m microbatches of (x, y); returns their losses (on the last stage).
+    def run(self, engine: Any, x: np.ndarray, y: np.ndarray, m: int) -> list[Any]:
+        """Forward and backward of m microbatches of (x, y); returns their losses as 0-d xp arrays (on the last stage).
 
         Every backward but the last runs under ``engine.no_sync()``, so data parallelism
         communicates once, during the final one.
@@ -156,7 +156,7 @@ class Pipeline:
                 inputs[i], outputs[i] = inp, out
                 peak = max(peak, len(outputs))
                 if self.is_last:
-                    losses.append(out.item())
+                    losses.append(out.data)
                 else:
                     sends += self._send(out.data, nxt, 4 * i, clock, "pp_activations")
                 continue
@@ -189,7 +189,7 @@ class Pipeline:
                       "bubble": 1.0 - busy / makespan, "bubble_formula": bubble_fraction(self.n_stages, m)}
         return losses
 
-    def _run_single_stage(self, engine: Any, xs: list, ys: list) -> list[float]:
+    def _run_single_stage(self, engine: Any, xs: list, ys: list) -> list[Any]:
         """No pipeline: plain gradient accumulation through the engine (which may be ZeRO-3's hooks)."""
         m, losses = len(xs), []
         for i, (xi, yi) in enumerate(zip(xs, ys)):
@@ -198,7 +198,7 @@ class Pipeline:
                     _, loss = engine(xi, yi)
                 with trace.span(f"B{i}", "backward"):
                     (loss * (1.0 / m)).backward()
-            losses.append(loss.item())
+            losses.append(loss.data)  # a device scalar: read once per step, by the caller
         self.stats = {"peak_microbatches_in_flight": 1, "bubble": 0.0, "bubble_formula": 0.0}
         return losses
 

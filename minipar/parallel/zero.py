@@ -193,11 +193,12 @@ class ZeRO(ReplicatedModel, Optimizer):
             shard.pending = []
 
     # ------------------------------------------------------------------------------- optimizer
-    def clip_grad_norm(self, max_norm: float, sum_squares: Callable[[float], float] = lambda s: s) -> float:
+    def clip_grad_norm(self, max_norm: float, sum_squares: Callable[[Any], Any] = lambda s: s) -> Any:
         """Global norm from the shards: Σg² per rank, summed over the ZeRO ranks with one scalar all-reduce
         (then over other groups by ``sum_squares``, e.g. tensor-parallel ranks)."""
         holders = [_GradHolder(s.grad, s.norm_scale) for s in self.shards if s.grad is not None]
-        total = lambda local: sum_squares(float(self.comm.all_reduce(np.array([local]), label="grad_norm")[0]))  # noqa: E731
+        total = lambda local: sum_squares(self.comm.all_reduce(xp.asarray(local, dtype=xp.float64).reshape(1),  # noqa: E731
+                                                               label="grad_norm")[0])
         return clip_grad_norm(holders, max_norm, sum_squares=total)
 
     def step(self) -> None:
