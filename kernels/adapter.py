@@ -70,13 +70,14 @@ class DeviceArray:
         return self.array.data.ptr
 
 
-def kernel_arg(array: Any) -> Any:
-    """Wrap an xp array for a kernel launch (numpy -> interpreter, cupy -> GPU)."""
+def kernel_arg(array: Any, dtype: str | None = None) -> Any:
+    """Wrap an xp array for a kernel launch (numpy -> interpreter, cupy -> GPU); ``dtype`` names the
+    element type when the storage type differs (bfloat16 kept in uint16)."""
     if isinstance(array, np.ndarray):
         if not interpreting():
             raise RuntimeError("Triton kernels on numpy arrays need TRITON_INTERPRET=1 (the CPU interpreter)")
         return InterpretedArray(array)
-    return DeviceArray(array)
+    return DeviceArray(array, dtype)
 
 
 def empty(like: Any, shape: tuple[int, ...], dtype: Any = None) -> Any:

@@ -66,22 +66,24 @@ def _tuned_kernel() -> Any:
     return triton.autotune(configs=GPU_CONFIGS, key=["M", "N", "K", "PRECISION"], do_bench=cupy_bench)(matmul_kernel)
 
 
-def matmul(a: Any, b: Any, out: Any = None, config: dict | None = None) -> Any:
+def matmul(a: Any, b: Any, out: Any = None, config: dict | None = None, dtype: str | None = None) -> Any:
     """A (M, K) @ B (K, N) -> C (M, N) of A's dtype, on numpy (interpreter) or cupy (GPU) arrays.
 
     fp32 inputs are multiplied in IEEE fp32 (not TF32) so results match the reference path.
     ``config`` fixes the tile sizes (else: autotuned on the GPU, CPU_CONFIG in the interpreter).
+    ``dtype="bfloat16"`` reads uint16 arrays as bfloat16 (cupy has no bfloat16 type).
     """
     if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"matmul needs (M, K) @ (K, N), got {a.shape} @ {b.shape}")
-    if a.dtype != b.dtype or str(a.dtype) not in SUPPORTED_DTYPES:
+    name = dtype or str(a.dtype)
+    if a.dtype != b.dtype or name not in SUPPORTED_DTYPES:
         raise TypeError(f"matmul needs two arrays of one of {SUPPORTED_DTYPES}, got {a.dtype} and {b.dtype}")
     M, K = a.shape
     N = b.shape[1]
     if out is None:
         out = empty(a, (M, N))
     precision = "ieee" if a.dtype.itemsize >= 4 else "tf32"  # tf32 is ignored for 16-bit inputs
-    args = (kernel_arg(a), kernel_arg(b), kernel_arg(out), M, N, K, *element_strides(a), *element_strides(b),
+    args = (kernel_arg(a, dtype), kernel_arg(b, dtype), kernel_arg(out, dtype), M, N, K, *element_strides(a), *element_strides(b),
             *element_strides(out))
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     if config is None and not interpreting():
