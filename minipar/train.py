@@ -26,7 +26,9 @@ from minipar.comm import Communicator
 from minipar.data import Batches, load_tokens, shard_rows, split_tokens
 from minipar.models.gpt import GPT, GPTConfig, hf_config
 from minipar.optim import AdamW, cosine_lr
+from minipar.parallel.compression import COMPRESSIONS, make_compressor
 from minipar.parallel.data_parallel import DataParallel
+from minipar.parallel.local_sgd import LocalSGD
 from minipar.parallel.mesh import Mesh
 from minipar.parallel.pipeline import SCHEDULES, Pipeline, stage_blocks, stage_state
 from minipar.parallel.tensor_parallel import (check_tensor_parallel, gather_tensor_parallel_state, shard_state_dict,
@@ -74,6 +76,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="pipeline schedule (with --pp)")
     par.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (with --dp)")
     par.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for DP / ZeRO-1/2")
+    par.add_argument("--compression", choices=list(COMPRESSIONS), default="none",
+                     help="compress data-parallel gradients (with --dp, --zero 0)")
+    par.add_argument("--topk-ratio", type=float, default=0.01, help="share of entries top-k compression sends")
+    par.add_argument("--powersgd-rank", type=int, default=4)
+    par.add_argument("--local-sgd", type=int, default=0, metavar="H",
+                     help="local SGD / DiLoCo: average the replicas every H steps instead of the gradients every step")
+    par.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo outer learning rate (1 + momentum 0: averaging)")
+    par.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum")
+    par.add_argument("--staleness", type=int, default=0, help="local SGD: apply each round's average τ rounds later")
     par.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto timeline")
 
 
@@ -99,6 +110,14 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
                          f"= {args.dp}·{args.microbatches}")
     if args.zero and args.dp == 1:
         raise ValueError("--zero shards over data-parallel ranks: it needs --dp >= 2")
+    if args.compression != "none" and args.zero:
+        raise ValueError("--compression plugs into plain data parallelism: use it with --zero 0")
+    make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)  # validates the numbers
+    if args.local_sgd < 0 or args.staleness < 0:
+        raise ValueError("--local-sgd and --staleness must be >= 0")
+    if args.local_sgd and (args.tp > 1 or args.pp > 1 or args.zero or args.compression != "none" or args.save):
+        raise ValueError("--local-sgd replaces the gradient all-reduce of plain data parallelism: use it with --dp "
+                         "alone (no --tp/--pp/--zero/--compression/--save)")
     if args.zero >= 2 and args.pp > 1:
         raise ValueError("--zero 2/3 reduce-scatter every microbatch's gradients; with --pp use --zero 0 or 1 "
                          "(as DeepSpeed does)")
@@ -140,11 +159,17 @@ def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any,
 
 
 def build_engine(model: GPT, comm: Communicator, args: argparse.Namespace) -> tuple[Any, Any]:
-    """(engine, optimizer) over the data-parallel group: DataParallel + AdamW, or ZeRO, which is both."""
+    """(engine, optimizer) over the data-parallel group: DataParallel + AdamW, or ZeRO, which is both.
+    With --local-sgd the replicas do not synchronize gradients at all (LocalSGD averages them later)."""
+    if args.local_sgd:
+        alone = comm.split(color=comm.rank, name="local")
+        return DataParallel(model, alone), AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if args.zero:
         engine = ZeRO(model, comm, args.zero, lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb)
         return engine, engine
-    return DataParallel(model, comm, args.bucket_mb), AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    compression = make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)
+    return (DataParallel(model, comm, args.bucket_mb, compression=compression),
+            AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay))
 
 
 def mean_loss(losses: list[float], mesh: Mesh) -> float:
@@ -190,6 +215,8 @@ def report(record: dict[str, Any], as_json: bool) -> None:
             tp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith("tp_"))
             if record["comm_formula_bytes"]:
                 comm += f" | dp {record['comm_bytes'] / 1e6:.2f} MB (formula {record['comm_formula_bytes'] / 1e6:.2f})"
+                if record["comm_bytes"] and record["comm_bytes"] < 0.99 * record["comm_formula_bytes"]:
+                    comm += f", {record['comm_formula_bytes'] / record['comm_bytes']:.1f}× compressed"
             if tp_bytes:
                 comm += f" | tp {tp_bytes / 1e6:.2f} MB"
             pp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith("pp_"))
@@ -219,6 +246,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     val_batches = Batches(val_tokens, args.batch_size, block, seed=args.seed + 1) if len(val_tokens) > block + 2 else None
     n_params = GPT(cfg).num_parameters() if mesh.tp > 1 else model.num_parameters()
     engine, optimizer = build_engine(model, mesh.dp_comm, args)
+    local_sgd = LocalSGD(model, mesh.dp_comm, args.local_sgd, args.outer_lr, args.outer_momentum,
+                         staleness=args.staleness) if args.local_sgd else None
     if resumed is not None:
         restore_optimizer(optimizer, model, mesh, resumed)
     tp_sum, pp_sum = group_sum(mesh.tp_comm), group_sum(mesh.pp_comm)
@@ -248,6 +277,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             optimizer.lr = cosine_lr(step, max_lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
                                      min_lr=args.min_lr)
             optimizer.step()
+        outer_round = local_sgd.step() if local_sgd else False
         state_bytes = engine.model_state_bytes(optimizer)
         optimizer.zero_grad()
         loss = mean_loss(losses, mesh)
@@ -261,7 +291,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         record = {"step": step + 1, "steps": args.steps, "loss": loss, "lr": optimizer.lr, "grad_norm": float(norm),
                   "tokens_per_s": args.batch_size * block / (ms / 1e3), "ms": ms, "world": world.size,
                   "comm_bytes": sum(by_op.get(k, {"bytes": 0})["bytes"] for k in ("grads", "params")),
-                  "comm_formula_bytes": engine.formula_bytes() if mesh.dp > 1 else 0.0,
+                  "comm_formula_bytes": (engine.formula_bytes() if not local_sgd else
+                                         local_sgd.formula_bytes_per_round() * outer_round) if mesh.dp > 1 else 0.0,
                   "comm_bytes_by_op": {k: v["bytes"] for k, v in by_op.items()},
                   "comm_calls_by_op": {k: v["calls"] for k, v in by_op.items()}, "model_state_bytes": state_bytes,
                   "pipeline": pipeline.stats}
@@ -277,6 +308,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             saved = checkpoint(args, step + 1, engine, optimizer, model, mesh)
             if lead and not args.json:
                 print(f"checkpoint {saved}", flush=True)
+    if local_sgd:
+        local_sgd.finish()  # the outstanding rounds: every replica ends equal
     if args.trace:
         trace.write(args.trace, world)
         if lead and not args.json:

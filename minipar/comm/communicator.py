@@ -198,15 +198,22 @@ class Communicator:
 
     # ------------------------------------------------------------------------------ collectives
     def all_reduce(self, x: Any, op: str = "sum", async_op: bool = False, algorithm: str | None = None,
-                   label: str | None = None) -> Any:
+                   label: str | None = None, wire: str | None = None) -> Any:
         """Reduce ``x`` over all ranks, in place; every rank ends with the result (returns ``x``).
 
         ``algorithm``: "ring" (2(p−1)/p·n bytes sent per rank), "recursive_doubling" (log₂p·n),
         or None to choose by size (recursive doubling up to ``SMALL_MESSAGE_BYTES``). ``label``
         (every collective takes one) files the call's bytes and time under that name in ``stats``
-        instead of the operation's, e.g. "grads" vs "loss".
+        instead of the operation's, e.g. "grads" vs "loss". ``wire`` ("float16" / "bfloat16") sends
+        a float buffer in 16 bits over the ring (accumulating in its own precision): half the bytes.
         """
         self._check_op(op, x)
+        if wire is not None:
+            if not np.issubdtype(x.dtype, np.floating) or op == "max":
+                raise ValueError("a 16-bit wire format needs a float array and op 'sum' or 'avg'")
+            codec = algo.WireCodec(wire)
+            return self._collective("all_reduce", x, async_op, lambda buf, tag: algo.ring_all_reduce(self, buf, op, tag, codec),
+                                    label, op=op, wire=wire)
         if algorithm is None:
             algorithm = "recursive_doubling" if x.nbytes <= algo.SMALL_MESSAGE_BYTES else "ring"
         run = {"ring": algo.ring_all_reduce, "recursive_doubling": algo.recursive_doubling_all_reduce}[algorithm]
@@ -320,9 +327,15 @@ class Communicator:
 
         if async_op:
             return self._worker_thread().submit(execute)
-        if self._worker is None or self._worker.pending == 0:
-            return execute()
+        if self._worker is None or self._worker.pending == 0 or threading.current_thread() is self._worker.thread:
+            return execute()  # nothing queued, or already on the worker (inside submit()): run in order, here
         return self._worker.submit(execute).wait()
+
+    def submit(self, fn: Callable[[], Any]) -> Handle:
+        """Run ``fn()`` on the communication thread, after the work already queued; collectives it
+        calls run inline there. For compound operations (compress → collectives → decompress) that
+        should overlap with the caller, like one async collective does."""
+        return self._worker_thread().submit(fn)
 
     def _worker_thread(self) -> _Worker:
         if self._worker is None:

@@ -117,10 +117,12 @@ class ReplicatedModel:
 
 
 class DataParallel(ReplicatedModel):
-    def __init__(self, model: Module, comm: Communicator, bucket_mb: float = 25.0, overlap: bool = True):
-        """``overlap=False`` starts every all-reduce only in ``sync_gradients`` (for measuring what overlap buys)."""
+    def __init__(self, model: Module, comm: Communicator, bucket_mb: float = 25.0, overlap: bool = True,
+                 compression: Any = None):
+        """``overlap=False`` starts every all-reduce only in ``sync_gradients`` (for measuring what overlap buys);
+        ``compression`` (a minipar.parallel.compression.Compressor) replaces each bucket's all-reduce."""
         super().__init__(model)
-        self.comm, self.overlap = comm, overlap
+        self.comm, self.overlap, self.compression = comm, overlap, compression
         broadcast_parameters(self.params, comm)
         self.buckets = make_buckets(gradient_ready_order(model), bucket_mb * 2**20)
         if comm.size > 1:
@@ -139,7 +141,10 @@ class DataParallel(ReplicatedModel):
             self._launch(bucket)
 
     def _launch(self, bucket: Bucket) -> None:
-        bucket.handle = self.comm.all_reduce(bucket.buffer, op="avg", async_op=True, algorithm="ring", label="grads")
+        if self.compression is None:
+            bucket.handle = self.comm.all_reduce(bucket.buffer, op="avg", async_op=True, algorithm="ring", label="grads")
+        else:  # compress, communicate, decompress: all on the communication thread
+            bucket.handle = self.comm.submit(lambda: self.compression.reduce(self.comm, bucket, bucket.buffer))
 
     def sync_gradients(self) -> None:
         """Wait for every bucket's all-reduce; afterwards each ``p.grad`` is the average over ranks.

@@ -1,0 +1,87 @@
+"""Local SGD and DiLoCo: communicate every H steps instead of every step.
+
+Each rank trains its own replica with its inner optimizer (AdamW for DiLoCo, Douillard et al.
+2023) for H steps without talking to anyone. Then the replicas meet: every rank's progress
+Δ = θ_start − θ_local (a "pseudo-gradient") is averaged with one ring all-reduce, and an outer
+optimizer — SGD with Nesterov momentum — moves the shared parameters:
+
+    v ← μ v + Δ̄,      θ ← θ − η_out (Δ̄ + μ v)          (η_out = 1, μ = 0: plain model averaging)
+
+Bytes: 2(p−1)/p·Ψ·itemsize every H steps, i.e. 1/H of synchronous data parallelism. With H = 1,
+inner SGD and η_out = 1, μ = 0 this *is* synchronous data parallelism with SGD (tested).
+
+Bounded staleness (``staleness`` = τ ≥ 1): the all-reduce of round t is started asynchronously and
+only waited for at the end of round t + τ, so communication overlaps τ rounds of computation. Each
+rank then continues from θ_global minus its own deltas of the last τ rounds (not yet averaged):
+replicas differ by at most τ rounds of local progress, and agree exactly after ``finish()``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from minipar.backend import xp
+from minipar.comm import Communicator, Handle
+from minipar.nn import Module
+from minipar.parallel.data_parallel import broadcast_parameters, make_buckets
+
+
+class LocalSGD:
+    def __init__(self, model: Module, comm: Communicator, sync_every: int, outer_lr: float = 0.7,
+                 outer_momentum: float = 0.9, nesterov: bool = True, staleness: int = 0):
+        if sync_every < 1 or staleness < 0:
+            raise ValueError(f"local SGD needs sync_every >= 1 and staleness >= 0, got {sync_every}, {staleness}")
+        self.comm, self.sync_every, self.staleness = comm, sync_every, staleness
+        self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
+        self.params = model.parameters()
+        broadcast_parameters(self.params, comm)
+        (self.layout,) = make_buckets(self.params, float("inf"))  # one flat buffer (one dtype in a GPT)
+        self.global_params = self._flatten()                       # θ: identical on every rank
+        self.anchor = self.global_params.copy()                    # θ_local at the start of this round
+        self.velocity = xp.zeros_like(self.global_params)
+        self.in_flight: deque[tuple[Handle, Any]] = deque()        # (all-reduce of Δ̄, own Δ) per round
+        self.inner_steps = 0
+        self.rounds = 0
+
+    def _flatten(self) -> Any:
+        return self.layout.flatten([p.data for p in self.params])
+
+    def _set_local(self, flat: Any) -> None:
+        for i, p in enumerate(self.params):
+            p.data[...] = self.layout.slot(flat, i)
+
+    def _outer_step(self, mean_delta: Any) -> None:
+        self.velocity *= self.outer_momentum
+        self.velocity += mean_delta
+        direction = mean_delta + self.outer_momentum * self.velocity if self.nesterov else self.velocity
+        self.global_params -= self.outer_lr * direction
+
+    def step(self) -> bool:
+        """Call after every inner optimizer step; every H-th call runs an outer round. Returns True then."""
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_every:
+            return False
+        own = self.anchor - self._flatten()  # Δ of this rank for this round
+        self.in_flight.append((self.comm.all_reduce(own.copy(), op="avg", async_op=True, algorithm="ring",
+                                                    label="grads"), own))
+        if len(self.in_flight) > self.staleness:  # the round from τ rounds ago must be complete by now
+            handle, _ = self.in_flight.popleft()
+            self._outer_step(handle.wait())
+        pending = sum((delta for _, delta in self.in_flight), xp.zeros_like(self.global_params))
+        local = self.global_params - pending  # global state plus this rank's not-yet-averaged progress
+        self._set_local(local)
+        self.anchor = local.copy()
+        self.rounds += 1
+        return True
+
+    def finish(self) -> None:
+        """Apply every outstanding round; afterwards all replicas hold the same parameters."""
+        while self.in_flight:
+            handle, _ = self.in_flight.popleft()
+            self._outer_step(handle.wait())
+        self._set_local(self.global_params)
+        self.anchor = self.global_params.copy()
+
+    def formula_bytes_per_round(self) -> float:
+        p = self.comm.size
+        return 2 * (p - 1) / p * self.global_params.nbytes

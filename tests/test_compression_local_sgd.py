@@ -1,0 +1,183 @@
+"""Gradient compressors against MPI's exact average, with their byte counts and error-feedback
+invariants; local SGD / DiLoCo against synchronous data parallelism; both through the CLI."""
+import json
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from minipar.testing import run_command, run_ranks
+
+
+def _bucket(shapes, dtype=np.float64):
+    from minipar.nn import Parameter
+    from minipar.parallel.data_parallel import Bucket
+
+    return Bucket([Parameter(np.zeros(s, dtype)) for s in shapes])
+
+
+def _exact_mean(comm, x):
+    out = np.empty_like(x)
+    comm.mpi.Allreduce(x, out)
+    return out / comm.size
+
+
+def _compressors_against_mpi():
+    from minipar.comm import Communicator
+    from minipar.parallel.compression import Cast, Int8, PowerSGD, TopK
+
+    comm = Communicator()
+    p, rng = comm.size, np.random.default_rng(comm.rank)
+    n = 999
+    bucket = _bucket([(n,)], np.float32)
+    g = rng.standard_normal(n).astype(np.float32)
+    mean = _exact_mean(comm, g)
+    for wire, tol in (("float16", 2e-3), ("bfloat16", 2e-2)):
+        out = g.copy()
+        comm.reset_stats()
+        Cast(wire).reduce(comm, bucket, out)
+        np.testing.assert_allclose(out, mean, atol=tol * np.abs(g).max() * 2)
+        assert comm.bytes_sent("grads") * 2 == _fp32_ring_bytes(n, p, comm.rank)  # half the float32 ring
+        same = np.empty((p, n), np.float32)
+        comm.mpi.Allgather(out, same)
+        assert (same == out).all()
+
+    out = g.copy()
+    comm.reset_stats()
+    Int8().reduce(comm, bucket, out)
+    worst_scale = comm.mpi.allreduce(float(np.abs(g).max() / 127), op=MPI.MAX)
+    assert np.abs(out - mean).max() <= worst_scale / 2 + 1e-6      # rounding error ≤ half a step
+    assert comm.bytes_sent("grads") == (p - 1) * (n + 4)            # int8 + one float32 scale
+
+    topk, sent_total, g_total = TopK(0.05), np.zeros(n), np.zeros(n)
+    for step in range(4):
+        g = np.random.default_rng((comm.rank, step)).standard_normal(n).astype(np.float32)
+        out = g.copy()
+        comm.reset_stats()
+        topk.reduce(comm, bucket, out)
+        sent_total += out
+        g_total += g
+        k = int(0.05 * n)
+        assert comm.bytes_sent("grads") == (p - 1) * 8 * k          # k int32 indices + k float32 values
+    # error feedback loses nothing: Σ_t average sent = mean over ranks of (Σ_t g − what is still held back)
+    np.testing.assert_allclose(sent_total, _exact_mean(comm, g_total - topk.residual[id(bucket)]), rtol=1e-4, atol=1e-4)
+
+    # PowerSGD with rank 2 is exact on gradients that share a rank-2 column space
+    shapes = [(20, 12), (7,)]
+    bucket = _bucket(shapes)
+    u = np.random.default_rng(99).standard_normal((20, 2))
+    matrix = u @ rng.standard_normal((2, 12))
+    vector = rng.standard_normal(7)
+    flat = np.concatenate([matrix.ravel(), vector])
+    mean = _exact_mean(comm, flat)
+    comm.reset_stats()
+    compressor = PowerSGD(rank=2)
+    compressor.reduce(comm, bucket, flat)
+    np.testing.assert_allclose(flat, mean, rtol=1e-9, atol=1e-12)
+    # error feedback keeps what this rank's gradient has that the shared approximation lacks
+    np.testing.assert_allclose(compressor.residual[id(bucket.params[0])], matrix - mean[:240].reshape(20, 12), atol=1e-12)
+    expected = sum(_fp32_ring_bytes(size, p, comm.rank) * 2 for size in (7, 20 * 2, 12 * 2))  # float64: twice fp32
+    assert comm.bytes_sent("grads") == expected
+
+
+def _fp32_ring_bytes(n, p, rank):
+    from minipar.comm.collectives import all_reduce_bytes_sent
+
+    return all_reduce_bytes_sent(n, 4, p, rank, "ring")
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_compressors(p):
+    run_ranks(p, _compressors_against_mpi, timeout=120)
+
+
+def _local_sgd_h1_is_data_parallel_sgd():
+    from minipar.comm import Communicator
+    from minipar.models.gpt import GPT, GPTConfig
+    from minipar.optim import SGD
+    from minipar.parallel.data_parallel import DataParallel
+    from minipar.parallel.local_sgd import LocalSGD
+
+    world = Communicator()
+    alone = world.split(color=world.rank)
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=8, dtype="float64")
+    rng = np.random.default_rng(world.rank)
+    batches = [rng.integers(0, 32, (2, 8)) for _ in range(6)]
+    dp, local = GPT(cfg, seed=1), GPT(cfg, seed=1)
+    dp_engine, dp_opt = DataParallel(dp, world), SGD(dp.parameters(), lr=0.1)
+    local_engine, local_opt = DataParallel(local, alone), SGD(local.parameters(), lr=0.1)
+    averager = LocalSGD(local, world, sync_every=1, outer_lr=1.0, outer_momentum=0.0)
+    for x in batches:
+        for engine, opt in ((dp_engine, dp_opt), (local_engine, local_opt)):
+            engine(x, x)[1].backward()
+            engine.sync_gradients()
+            opt.step()
+            opt.zero_grad()
+        assert averager.step()
+    for a, b in zip(dp.parameters(), local.parameters()):
+        np.testing.assert_allclose(b.data, a.data, rtol=1e-9, atol=1e-13)
+
+
+def _stale_rounds_end_in_consensus(staleness):
+    from minipar.comm import Communicator
+    from minipar.models.gpt import GPT, GPTConfig
+    from minipar.optim import AdamW
+    from minipar.parallel.local_sgd import LocalSGD
+
+    comm = Communicator()
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=8, dtype="float64"), seed=comm.rank)
+    opt = AdamW(model.parameters(), lr=1e-2)
+    averager = LocalSGD(model, comm, sync_every=3, staleness=staleness)
+    psi = sum(q.size for q in model.parameters())
+    rng = np.random.default_rng(comm.rank)
+    comm.reset_stats()
+    for step in range(12):
+        x = rng.integers(0, 32, (2, 8))
+        model(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad()
+        assert averager.step() == ((step + 1) % 3 == 0)
+    averager.finish()
+    assert comm.bytes_sent("grads") == 4 * _fp32_ring_bytes(psi, comm.size, comm.rank) * 2  # 4 rounds of Ψ float64
+    mine = np.concatenate([q.data.ravel() for q in model.parameters()])
+    everyone = np.empty((comm.size, mine.size))
+    comm.mpi.Allgather(mine, everyone)
+    assert (everyone == mine).all(), "replicas must agree after finish()"
+
+
+@pytest.mark.parametrize("p", [1, 3])
+def test_local_sgd(p):
+    run_ranks(p, _local_sgd_h1_is_data_parallel_sgd, timeout=60)
+    for staleness in (0, 1, 2):
+        run_ranks(p, _stale_rounds_end_in_consensus, staleness, timeout=60)
+
+
+@pytest.mark.parametrize("extra,ratio", [(["--compression", "fp16"], 2.0), (["--compression", "int8"], None),
+                                         (["--compression", "topk", "--topk-ratio", "0.05"], None),
+                                         (["--compression", "powersgd", "--powersgd-rank", "2"], None),
+                                         (["--local-sgd", "4"], None), (["--local-sgd", "4", "--staleness", "1"], None)])
+def test_cli_trains_with_fewer_bytes(extra, ratio):
+    out = run_command(2, [sys.executable, "-m", "minipar", "train", "--dp", "2", "--n-layer", "1", "--n-embd", "32",
+                          "--n-head", "2", "--block-size", "16", "--batch-size", "8", "--steps", "8", "--json",
+                          "--eval-interval", "0", "--bucket-mb", "0.01", *extra], timeout=120)
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert len(records) == 8 and all(np.isfinite(r["loss"]) for r in records)
+    sent = sum(r["comm_bytes"] for r in records)
+    if extra[0] == "--local-sgd":
+        full = records[3]["comm_formula_bytes"]  # one outer round, at steps 4 and 8
+        assert sent == pytest.approx(2 * full, rel=0.01) and records[0]["comm_bytes"] == 0
+    else:
+        full = sum(r["comm_formula_bytes"] for r in records)
+        assert sent < full / 1.9
+        if ratio:
+            assert full / sent == pytest.approx(ratio, rel=0.01)
+
+
+def test_cli_rejects_bad_combinations():
+    for args, message in [(["--compression", "topk", "--zero", "1"], "use it with --zero 0"),
+                          (["--local-sgd", "2", "--zero", "1"], "--local-sgd replaces"),
+                          (["--compression", "topk", "--topk-ratio", "0"], "ratio must be in (0, 1]")]:
+        with pytest.raises(AssertionError) as err:
+            run_command(2, [sys.executable, "-m", "minipar", "train", "--dp", "2", *args], timeout=60)
+        assert message in str(err.value)
