@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import sys
 
 
@@ -45,11 +47,48 @@ def export(args: argparse.Namespace) -> None:
     print(f"exported step {loaded.step} ({loaded.layout_name}) to {args.out}/ (config.json + model.safetensors)")
 
 
+def plan_command(args: argparse.Namespace) -> None:
+    from minipar.comm import Communicator
+    from minipar.models.gpt import GPTConfig
+    from minipar.parallel import planner
+
+    if args.calibrate:
+        comm = Communicator()
+        profile = planner.calibrate(comm)
+        if comm.rank == 0:
+            path = args.profile or planner.default_profile_path(comm.size)
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            profile.save(path)
+            print(f"calibrated on {comm.size} rank(s): {profile.flops / 1e9:.1f} GFLOP/s GEMM, "
+                  f"{profile.bandwidth / 1e9:.1f} GB/s, {profile.op_overhead * 1e6:.0f} µs framework time per layer, "
+                  f"α = {profile.intra.alpha * 1e6:.1f} µs, 1/β = {1 / max(profile.intra.beta, 1e-30) / 1e9:.2f} GB/s -> {path}")
+        return
+    if args.preset:
+        L, H, C, T, V = planner.PRESETS[args.preset]
+    else:
+        L, H, C, T, V = args.n_layer, args.n_head, args.n_embd, args.block_size, 256
+    cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C)
+    profile = planner.load_profile(args.profile, args.world)
+    if args.memory_gb:
+        profile = dataclasses.replace(profile, memory=args.memory_gb * 1e9)
+    itemsize = planner.ITEMSIZE[args.dtype]
+    predictions = planner.plan(cfg, args.world, args.batch_size, profile, itemsize, args.recompute)
+    if args.layout:
+        wanted = dict(part.split("=") for part in args.layout.split(","))
+        predictions = [p for p in predictions if all(str(getattr(p.layout, k)) == v for k, v in wanted.items())]
+        if not predictions:
+            raise ValueError(f"no feasible-or-not layout matches {args.layout}")
+    flops = lambda layout: planner.megatron_flops(cfg, args.batch_size, layout.recompute)  # noqa: E731
+    print(f"GPT L={L} H={H} C={C} T={T} V={V} ({planner.stage_parameters(cfg, 1) / 1e6:,.1f} M params), "
+          f"batch {args.batch_size}, {args.dtype}, {args.world} × {profile.name} ({profile.memory / 1e9:.0f} GB)")
+    print(planner.format_plan(predictions, args.top, flops))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from minipar.train import add_arguments
 
     parser = argparse.ArgumentParser(prog="python -m minipar", description=__doc__.split("—")[0].strip(" `"))
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,trace-plot,export}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,plan,trace-plot,export}")
     train = commands.add_parser("train", help="train a GPT (single process or under mpiexec)",
                                 description="Train a GPT on the default corpus (this Python's standard library source) or --data.")
     add_arguments(train)
@@ -63,6 +102,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--num-samples", type=int, default=1)
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    pl = commands.add_parser("plan", help="rank every parallel layout by predicted step time and memory",
+                             description="Predict step time and memory of every dp·tp·pp·zero·microbatch layout "
+                                         "from a hardware profile, and rank them (minipar/parallel/planner.py).")
+    pl.add_argument("--world", type=int, default=4, help="number of devices (ranks)")
+    pl.add_argument("--preset", choices=["gpt2-124m", "gpt3-175b"], help="a known model instead of the --n-* flags")
+    pl.add_argument("--n-layer", type=int, default=4)
+    pl.add_argument("--n-head", type=int, default=4)
+    pl.add_argument("--n-embd", type=int, default=128)
+    pl.add_argument("--block-size", type=int, default=128)
+    pl.add_argument("--batch-size", type=int, default=16)
+    pl.add_argument("--dtype", choices=["float64", "float32", "bfloat16", "float16"], default="float32")
+    pl.add_argument("--profile", help="a100-80gb, h100-80gb, or a profile JSON (default: this machine's calibration)")
+    pl.add_argument("--memory-gb", type=float, help="override the profile's device memory")
+    pl.add_argument("--recompute", action="store_true", help="also consider activation recomputation (what-if)")
+    pl.add_argument("--layout", help="show only layouts matching e.g. dp=8,tp=8,pp=16")
+    pl.add_argument("--top", type=int, default=10)
+    pl.add_argument("--calibrate", action="store_true",
+                    help="measure this machine and save its profile (run under mpiexec -n WORLD)")
     plot = commands.add_parser("trace-plot", help="draw a --trace timeline (ASCII, or PNG with -o)",
                                description="Draw the per-rank timeline written by train --trace.")
     plot.add_argument("trace", metavar="TRACE.json")
@@ -84,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
             train(args)
         else:
-            {"generate": generate, "trace-plot": trace_plot, "export": export}[args.command](args)
+            {"generate": generate, "plan": plan_command, "trace-plot": trace_plot, "export": export}[args.command](args)
     except (ValueError, FileNotFoundError, KeyError, RuntimeError, OSError) as e:
         print(f"minipar {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ from minipar.optim import AdamW, cosine_lr
 from minipar.parallel.compression import COMPRESSIONS, make_compressor
 from minipar.parallel.data_parallel import DataParallel
 from minipar.parallel.local_sgd import LocalSGD
+from minipar.parallel import planner
 from minipar.parallel.mesh import Mesh
 from minipar.parallel.pipeline import SCHEDULES, Pipeline, stage_blocks, stage_state
 from minipar.parallel.tensor_parallel import (check_tensor_parallel, gather_tensor_parallel_state, shard_state_dict,
@@ -86,6 +87,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum")
     par.add_argument("--staleness", type=int, default=0, help="local SGD: apply each round's average τ rounds later")
     par.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto timeline")
+    par.add_argument("--auto", action="store_true",
+                     help="let the planner choose --dp/--tp/--pp/--zero/--microbatches for this many ranks")
+    par.add_argument("--profile", help="hardware profile for --auto (default: this machine's, calibrated if missing)")
+
+
+def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
+    """--auto: rank 0 plans (calibrating this machine if it has no profile yet); every rank takes its choice."""
+    try:
+        profile = planner.load_profile(args.profile, world.size)
+    except FileNotFoundError:
+        if args.profile:
+            raise
+        profile = planner.calibrate(world)  # every rank measures; rank 0's numbers decide
+    if world.rank == 0:
+        cfg = model_config(args)
+        ranked = planner.plan(cfg, world.size, args.batch_size, profile, planner.ITEMSIZE[args.dtype])
+        best = ranked[0]
+        if not best.feasible:
+            raise ValueError(f"no layout of {world.size} ranks fits in {profile.memory / 1e9:.1f} GB per device")
+        choice = {**dataclasses.asdict(best.layout), "step_ms": best.step_time * 1e3, "memory_gb": best.memory / 1e9,
+                  "candidates": len(ranked)}
+    else:
+        choice = None
+    choice = json.loads(world.all_gather_bytes(json.dumps(choice).encode(), label="plan")[0])
+    args.dp, args.tp, args.pp, args.zero = choice["dp"], choice["tp"], choice["pp"], choice["zero"]
+    args.microbatches, args.schedule = choice["microbatches"], choice["schedule"]
+    if world.rank == 0 and not args.json:
+        print(f"auto: {planner.Layout(**{k: choice[k] for k in ('dp', 'tp', 'pp', 'zero', 'microbatches', 'schedule')})}"
+              f" of {choice['candidates']} layouts, predicted {choice['step_ms']:.1f} ms/step, "
+              f"{choice['memory_gb']:.3f} GB per rank ({profile.name})", flush=True)
 
 
 def model_config(args: argparse.Namespace, resumed: Checkpoint | None = None) -> GPTConfig:
@@ -231,6 +262,8 @@ def report(record: dict[str, Any], as_json: bool) -> None:
 def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the training job described by ``args`` on every rank; returns the per-step records."""
     world = Communicator()
+    if args.auto:
+        choose_layout(args, world)
     resumed = load_checkpoint(args.resume) if args.resume else None
     cfg = validate(args, world.size, resumed)
     set_device(args.device)

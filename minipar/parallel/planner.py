@@ -1,0 +1,388 @@
+"""The automatic planner: every dp·tp·pp·zero·microbatch layout of a GPT on W devices, its memory and
+step time predicted from a cost model of the hardware, ranked.
+
+Cost model, per optimizer step on the busiest device (t = b·T tokens per microbatch, b = B/(dp·m)):
+
+    compute   per layer and microbatch  (2·t·12C² + 4·b·T²·C)·3 / tp  GEMM FLOPs at ``flops``
+              (×4/3 with activation recomputation), + the memory-bound passes (layer norms, GELU,
+              softmax, residuals: ``passes_act``·t·C + ``passes_att``·b·H·T² elements, ÷tp) at
+              ``bandwidth``, + ``ops_per_layer`` launches at ``op_overhead``; the head adds 6·t·C·V/tp.
+    tensor    4 ring all-reduces of t·C values per layer and microbatch: 2(tp−1)α + 2(tp−1)/tp·nβ each
+    pipeline  (m + pp − 1) microbatch slots of the slowest stage (the bubble), and per microbatch and
+              stage boundary one activation forward, one gradient back: 2(α + t·C·itemsize·β)
+    data      ring all-reduce of the rank's Ψ_l = Ψ_stage/tp parameters, 2(dp−1)/dp·Ψ_l·itemsize·β, of
+              which ``overlap`` hides behind backward; ZeRO-3 adds the forward all-gathers, exposed
+              (minipar gathers a block when it is needed, without prefetching); + the AdamW pass
+    links     a group inside one node (``devices_per_node``) uses ``intra``, else ``inter`` (α, β)
+
+Memory per device: model states 16Ψ_l (DP), 8Ψ_l + 12Ψ_l/dp (ZeRO-1), 4Ψ_l + 12Ψ_l/dp (ZeRO-2),
+16Ψ_l/dp (ZeRO-3) — bytes of float32 params, grads, m, v, or of bf16 params/grads + fp32 master
+and moments, both 16 per parameter; activations per layer and microbatch
+s·b·h·(10 + 24/tp + 5·a·s/(h·tp)) at 2 bytes (Korthikanti et al. 2022; ×itemsize/2), for the
+microbatches a stage holds at once (1F1B: pp, GPipe: m), or just the layer inputs with
+recomputation, plus the logits of the last stage.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Link:
+    alpha: float  # seconds per message
+    beta: float   # seconds per byte
+
+
+@dataclass
+class Profile:
+    name: str
+    flops: float                 # achieved GEMM FLOP/s per device
+    bandwidth: float             # bytes/s of memory-bound work
+    op_overhead: float           # seconds per launched op (Python dispatch, kernel launch); calibrated: per layer
+    memory: float                # bytes per device
+    devices_per_node: int
+    intra: Link
+    inter: Link
+    overlap: float = 0.5         # share of data-parallel communication hidden behind backward
+    cores: int | None = None     # CPU: all ranks of a node share this many cores
+    contention: float = 1.0      # CPU: how much slower each rank computes when all ranks compute at once
+    passes_act: float = 255.0    # memory-bound element passes per layer over t·C (fwd+bwd), minipar's ops
+    passes_att: float = 39.0     # ... over b·H·T² (unfused attention)
+    ops_per_layer: float = 100.0
+    gemm_flops_by_rows: dict[str, float] = field(default_factory=dict)  # measured FLOP/s of an (M×C)(C×4C) GEMM by M
+    alpha_by_group: dict[str, float] = field(default_factory=dict)      # ring step latency with every rank busy, by group size
+
+    def gemm_flops(self, rows: float) -> float:
+        """Achieved GEMM FLOP/s for ``rows``-row operands: log-interpolated from the calibration table, else ``flops``."""
+        if not self.gemm_flops_by_rows:
+            return self.flops
+        points = sorted((int(k), v) for k, v in self.gemm_flops_by_rows.items())
+        xs, ys = np.log([p[0] for p in points]), [p[1] for p in points]
+        return float(np.interp(np.log(max(rows, 1.0)), xs, ys))
+
+    def link(self, group: int, span: int) -> Link:
+        """The link of a ``group``-rank group spread over ``span`` consecutive ranks (latency as measured under load)."""
+        base = self.intra if span <= self.devices_per_node else self.inter
+        return Link(self.alpha_by_group.get(str(group), base.alpha), base.beta)
+
+    def save(self, path: str) -> None:
+        from minipar.checkpoint import atomic_write
+
+        atomic_write(path, [json.dumps(dataclasses.asdict(self), indent=1).encode()])
+
+    @classmethod
+    def load(cls, path: str) -> Profile:
+        with open(path) as f:
+            data = json.load(f)
+        return cls(**{**data, "intra": Link(**data["intra"]), "inter": Link(**data["inter"])})
+
+
+# Datasheet numbers × typical achieved fractions (cuBLAS ≈ 80% of dense bf16 peak at large sizes, ~80% of
+# HBM bandwidth; NCCL ring bandwidth ≈ NVLink per-direction rate; one HDR/NDR NIC per GPU); fused
+# kernels and flash attention (Megatron) make far fewer memory-bound passes than minipar's numpy ops.
+BUILTIN_PROFILES = {
+    "a100-80gb": Profile("a100-80gb", flops=0.8 * 312e12, bandwidth=0.8 * 2.0e12, op_overhead=8e-6, memory=80e9,
+                         devices_per_node=8, intra=Link(8e-6, 1 / 240e9), inter=Link(15e-6, 1 / 23e9), overlap=0.9,
+                         passes_act=40.0, passes_att=0.0, ops_per_layer=30.0),
+    "h100-80gb": Profile("h100-80gb", flops=0.75 * 989e12, bandwidth=0.8 * 3.35e12, op_overhead=6e-6, memory=80e9,
+                         devices_per_node=8, intra=Link(6e-6, 1 / 360e9), inter=Link(12e-6, 1 / 45e9), overlap=0.9,
+                         passes_act=40.0, passes_att=0.0, ops_per_layer=30.0),
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    zero: int = 0
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    recompute: bool = False  # modelled for what-if questions; minipar's engine does not recompute
+
+    def flags(self) -> list[str]:
+        return ["--dp", str(self.dp), "--tp", str(self.tp), "--pp", str(self.pp), "--zero", str(self.zero),
+                "--microbatches", str(self.microbatches), "--schedule", self.schedule]
+
+    def __str__(self) -> str:
+        return (f"dp{self.dp}·tp{self.tp}·pp{self.pp} zero{self.zero} m{self.microbatches}"
+                + (f" {self.schedule}" if self.pp > 1 else "") + (" recompute" if self.recompute else ""))
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step_time: float
+    memory: float
+    feasible: bool
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+
+def _ring_all_reduce(n_bytes: float, p: int, link: Link) -> float:
+    return 0.0 if p == 1 else 2 * (p - 1) * link.alpha + 2 * (p - 1) / p * n_bytes * link.beta
+
+
+def stage_parameters(cfg: Any, pp: int) -> float:
+    """Parameters of the largest pipeline stage (the first: its blocks plus the embeddings)."""
+    C, V, L = cfg.n_embd, cfg.vocab_size, cfg.n_layer
+    per_layer = 12 * C * C + 13 * C
+    embeddings = V * C + cfg.block_size * C
+    if pp == 1:
+        return L * per_layer + embeddings + 2 * C
+    return math.ceil(L / pp) * per_layer + embeddings
+
+
+def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsize: int = 4) -> Prediction:
+    """Predicted step time (s) and memory (bytes) of ``layout`` for a GPT ``cfg`` and global ``batch_size``."""
+    dp, tp, pp, m = layout.dp, layout.tp, layout.pp, layout.microbatches
+    world = dp * tp * pp
+    C, H, T, L = cfg.n_embd, cfg.n_head, cfg.block_size, cfg.n_layer
+    V = math.ceil(cfg.vocab_size / tp) * tp
+    b = batch_size / (dp * m)
+    t = b * T
+    share = profile.contention if profile.cores else 1.0  # CPU: the ranks time-share the cores
+    passes = 4.0 if layout.recompute else 3.0  # forward + backward (+ the forward again)
+
+    layer_flops = (2 * t * 12 * C * C + 4 * b * T * T * C) / tp * passes
+    layer_bytes = (profile.passes_act * t * C + profile.passes_att * b * H * T * T) / tp * itemsize * passes / 3
+    flops = profile.gemm_flops(t)
+    layer_time = (layer_flops / flops + layer_bytes / profile.bandwidth + profile.ops_per_layer * profile.op_overhead)
+    head_time = 6 * t * C * V / tp / flops + 4 * t * V / tp * itemsize / profile.bandwidth
+    tp_link = profile.link(tp, tp)
+    tp_time = (4 * L / pp + 2) * _ring_all_reduce(t * C * itemsize, tp, tp_link) if tp > 1 else 0.0
+    pp_link = profile.link(world, world)
+    pp_time = 2 * (pp_link.alpha + t * C * itemsize * pp_link.beta) if pp > 1 else 0.0
+    stage_compute = (math.ceil(L / pp) * layer_time + head_time) * share
+    microbatch = stage_compute + tp_time + pp_time
+    pipeline_time = (m + pp - 1) * microbatch
+
+    psi_local = stage_parameters(cfg, pp) / tp
+    dp_link = profile.link(dp, dp * tp)
+    dp_comm = _ring_all_reduce(psi_local * itemsize, dp, dp_link)
+    exposed_dp = dp_comm * (1 - profile.overlap) + (dp_comm / 2 * m if layout.zero == 3 else 0.0)
+    optimizer = 7 * 4 * psi_local / (dp if layout.zero else 1) / profile.bandwidth * share
+    step = pipeline_time + exposed_dp + optimizer
+
+    states = {0: 16 * psi_local, 1: 8 * psi_local + 12 * psi_local / dp,
+              2: 4 * psi_local + 12 * psi_local / dp, 3: 16 * psi_local / dp}[layout.zero]
+    per_layer_act = T * b * C * (10 + 24 / tp + 5 * H * T / (C * tp)) * itemsize / 2
+    in_flight = 1 if pp == 1 else (pp if layout.schedule == "1f1b" else m)
+    layers = math.ceil(L / pp)
+    if layout.recompute:
+        activations = (layers * t * C * itemsize + per_layer_act) * in_flight
+    else:
+        activations = layers * per_layer_act * in_flight
+    logits = 2 * t * V / tp * itemsize
+    memory = states + activations + logits
+    breakdown = {"compute": m * stage_compute, "bubble": (pp - 1) * microbatch, "tp_comm": m * tp_time,
+                 "pp_comm": m * pp_time, "dp_comm_exposed": exposed_dp, "optimizer": optimizer,
+                 "model_states": states, "activations": activations + logits}
+    return Prediction(layout, step, memory, memory <= profile.memory, breakdown)
+
+
+def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool = False) -> list[Layout]:
+    """Every layout the engine accepts: dp·tp·pp = world, tp | n_head and 4C, pp ≤ n_layer,
+    dp·m | batch, ZeRO needs dp ≥ 2 and is 0/1 with pp > 1; microbatches 1, 2, 4, … and B/dp (b = 1)."""
+    layouts = []
+    for tp in range(1, world + 1):
+        if world % tp or cfg.n_head % tp or (4 * cfg.n_embd) % tp:
+            continue
+        for pp in range(1, world // tp + 1):
+            if (world // tp) % pp or pp > cfg.n_layer:
+                continue
+            dp = world // (tp * pp)
+            if batch_size % dp:
+                continue
+            counts = sorted({2**k for k in range(20) if 2**k <= batch_size // dp} | {batch_size // dp})
+            counts = [m for m in counts if (batch_size // dp) % m == 0 and (pp > 1 or m == 1)]  # no pipeline: m = 1
+            for zero in range(4):
+                if (zero and dp == 1) or (zero >= 2 and pp > 1):
+                    continue
+                for m in counts:
+                    for r in ((False, True) if recompute else (False,)):
+                        layouts.append(Layout(dp, tp, pp, zero, m, "1f1b", r))
+    return layouts
+
+
+def plan(cfg: Any, world: int, batch_size: int, profile: Profile, itemsize: int = 4,
+         recompute: bool = False) -> list[Prediction]:
+    """All layouts, feasible ones first, each group by predicted step time."""
+    predictions = [predict(cfg, batch_size, lay, profile, itemsize)
+                   for lay in enumerate_layouts(cfg, world, batch_size, recompute)]
+    if not predictions:
+        raise ValueError(f"no layout of {world} ranks fits this model and batch (check n_head, n_layer, batch size)")
+    return sorted(predictions, key=lambda p: (not p.feasible, p.step_time))
+
+
+def megatron_flops(cfg: Any, batch_size: int, recompute: bool = True) -> float:
+    """Megatron-LM's count of FLOPs per iteration (Narayanan et al. 2021, eq. 3): 96·B·s·l·h²·(1 + s/(6h) +
+    V/(16·l·h)) with activation recomputation (4 passes of 24·B·s·l·h²·(…)), 72·… without (3 passes)."""
+    B, s, L, h, V = batch_size, cfg.block_size, cfg.n_layer, cfg.n_embd, cfg.vocab_size
+    return (96 if recompute else 72) * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+
+
+# ------------------------------------------------------------------------------------ calibration
+
+
+def calibrate(comm: Any, memory_bytes: float | None = None) -> Profile:
+    """Measure this machine (all ranks must call; run with as many ranks as you will plan for):
+
+    * on rank 0 alone (the others sleep, so it has the machine): GEMM FLOP/s for 16 … 4096-row
+      operands, memory bandwidth, the cost of one small numpy op; then the same GEMMs on all ranks
+      at once: the ratio is how much slower a rank computes when the ranks share the cores;
+    * α, β of a ping-pong between ranks 0 and 1;
+    * the latency of one ring step with *every* rank busy — computing between all-reduces, as in
+      training — for groups of 2, 4, … ranks running side by side: on an oversubscribed machine a
+      message also waits for its receiver to be scheduled, which dominates small messages.
+    """
+    measured = None
+    if comm.rank == 0:
+        rng = np.random.default_rng(0)
+        gemm = {}
+        for rows in (16, 64, 256, 1024, 4096):
+            a, w = rng.standard_normal((rows, 256)).astype(np.float32), rng.standard_normal((256, 1024)).astype(np.float32)
+            gemm[str(rows)] = 2 * rows * 256 * 1024 / _best_of(lambda: a @ w)
+        big = np.ones(8 << 20, np.float32)
+        out = np.empty_like(big)
+        bandwidth = 2 * big.nbytes / _best_of(lambda: np.multiply(big, 1.5, out=out))
+        measured = json.dumps({"gemm": gemm, "bandwidth": bandwidth, "layer_overhead": _layer_overhead()})
+    else:
+        while not comm.mpi.Iprobe(source=0, tag=8):  # idle without spinning until rank 0 is done
+            time.sleep(0.01)
+        comm.recv(np.empty(1), 0, tag=8)
+    if comm.rank == 0:
+        for r in range(1, comm.size):
+            comm.send(np.zeros(1), r, tag=8, label="calibration")
+    local = json.loads(comm.all_gather_bytes((measured or "").encode(), label="calibration")[0])
+    rng = np.random.default_rng(comm.rank)
+    a, w = rng.standard_normal((256, 256)).astype(np.float32), rng.standard_normal((256, 1024)).astype(np.float32)
+    comm.barrier()
+    together = 2 * 256 * 256 * 1024 / _best_of(lambda: [a @ w for _ in range(20)]) * 20
+    together = float(comm.all_reduce(np.array([together]), op="avg", label="calibration")[0])
+    contention = max(1.0, local["gemm"]["256"] / together)
+    alpha = beta = 0.0
+    if comm.size > 1:
+        alpha = _pingpong(comm, 8)
+        beta = max(0.0, (_pingpong(comm, 8 << 20) - alpha) / (8 << 20))
+    alpha_by_group = {}
+    burst = np.random.default_rng(1).standard_normal((96, 96))
+    work = lambda: burst @ burst @ burst  # noqa: E731  (≈ the compute between two tensor-parallel all-reduces)
+    alone = _best_of(work)
+    share = max(1.0, comm.size / (os.cpu_count() or 1))
+    group = 2
+    while group <= comm.size:
+        if comm.size % group == 0:
+            sub = comm.split(color=comm.rank // group, name=f"calibrate{group}")
+            x = np.zeros(2 * group)
+            sub.all_reduce(x, algorithm="ring")
+            comm.barrier()
+            t0 = time.perf_counter()
+            for _ in range(40):
+                work()
+                sub.all_reduce(x, algorithm="ring", label="calibration")
+            waited = (time.perf_counter() - t0) / 40 - alone * share
+            step = max(waited, 1e-6) / (2 * (group - 1))
+            alpha_by_group[str(group)] = float(comm.all_reduce(np.array([step]), op="max", label="calibration")[0])
+        group *= 2
+    link = Link(alpha, beta)
+    return Profile("cpu (calibrated)", flops=max(local["gemm"].values()), bandwidth=local["bandwidth"],
+                   op_overhead=local["layer_overhead"], ops_per_layer=1.0, memory=memory_bytes or _physical_memory(),
+                   devices_per_node=max(comm.size, 64), intra=link, inter=link, overlap=0.3, cores=os.cpu_count() or 1,
+                   contention=contention,
+                   gemm_flops_by_rows=local["gemm"], alpha_by_group=alpha_by_group)
+
+
+def _layer_overhead() -> float:
+    """Seconds of framework overhead per transformer layer and microbatch (forward + backward): the
+    step time of a GPT too small to compute anything, per added layer."""
+    from minipar.models.gpt import GPT, GPTConfig
+
+    idx = np.zeros((1, 4), np.int64)
+    times = {}
+    for layers in (2, 6):
+        model = GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=layers, n_head=1, n_embd=8))
+        times[layers] = _best_of(lambda: model(idx, idx)[1].backward(), repeat=15)
+    return max(0.0, (times[6] - times[2]) / 4)
+
+
+def _best_of(fn: Any, repeat: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _pingpong(comm: Any, nbytes: int, reps: int = 20) -> float:
+    buf = np.zeros(nbytes, np.uint8)
+    comm.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        if comm.rank == 0:
+            comm.send(buf, 1, tag=7, label="calibration")
+            comm.recv(buf, 1, tag=7)
+        elif comm.rank == 1:
+            comm.recv(buf, 0, tag=7)
+            comm.send(buf, 0, tag=7, label="calibration")
+    one_way = (time.perf_counter() - t0) / (2 * reps)
+    return float(comm.broadcast(np.array([one_way]), root=0, label="calibration")[0])
+
+
+def _physical_memory() -> float:
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        return 16e9
+
+
+PRESETS = {  # name -> (n_layer, n_head, n_embd, block_size, vocab_size)
+    "gpt2-124m": (12, 12, 768, 1024, 50257),
+    "gpt3-175b": (96, 96, 12288, 2048, 51200),
+}
+ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def format_plan(predictions: list[Prediction], top: int, model_flops: Any = None) -> str:
+    """A table of the best ``top`` predictions, and TFLOP/s per device when ``model_flops(layout)``
+    (FLOPs per step) is given."""
+    head = f"{'rank':>4}  {'layout':<34}{'step ms':>10}{'memory GB':>11}  {'compute':>8}{'bubble':>8}{'tp':>8}{'pp':>8}{'dp':>8}"
+    lines = [head + ("  TFLOP/s/dev" if model_flops else "")]
+    for i, pr in enumerate(predictions[:top], start=1):
+        b = pr.breakdown
+        row = (f"{i:>4}  {str(pr.layout):<34}{pr.step_time * 1e3:>10.1f}{pr.memory / 1e9:>11.2f}"
+               + ("  " if pr.feasible else "* ")
+               + "".join(f"{b[k] * 1e3:>8.1f}" for k in ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm_exposed")))
+        if model_flops:
+            world = pr.layout.dp * pr.layout.tp * pr.layout.pp
+            row += f"  {model_flops(pr.layout) / pr.step_time / world / 1e12:>10.1f}"
+        lines.append(row)
+    lines.append("(times in ms; * = does not fit in device memory)")
+    return "\n".join(lines)
+
+
+def default_profile_path(world: int) -> str:
+    """This machine's calibration for ``world`` ranks (latencies under load depend on how many share the cores)."""
+    return os.path.join(os.path.expanduser("~"), ".cache", "minipar", f"profile-cpu-{world}ranks.json")
+
+
+def load_profile(name: str | None, world: int) -> Profile:
+    """A built-in profile by name, a JSON file, or (None) this machine's calibration for ``world`` ranks."""
+    if name in BUILTIN_PROFILES:
+        return BUILTIN_PROFILES[name]
+    path = name or default_profile_path(world)
+    if os.path.isfile(path):
+        return Profile.load(path)
+    if name:
+        raise FileNotFoundError(f"no profile {name!r}: expected one of {sorted(BUILTIN_PROFILES)} or a JSON file")
+    raise FileNotFoundError(f"no calibrated profile at {path}: run "
+                            f"`mpiexec -n {world} python -m minipar plan --calibrate` first")
