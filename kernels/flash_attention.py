@@ -39,6 +39,33 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _rows(ptr, b, h, sb, sh, st, sd, offs_t, offs_d, T, D):
+    """Addresses and mask of the rows ``offs_t`` (× dims ``offs_d``) of one (batch, head) of a strided tensor."""
+    return (ptr + b * sb + h * sh + offs_t[:, None] * st + offs_d[None, :] * sd,
+            (offs_t < T)[:, None] & (offs_d < D)[None, :])
+
+
+@triton.jit
+def _load_rows(ptr, b, h, sb, sh, st, sd, offs_t, offs_d, T, D):
+    where, mask = _rows(ptr, b, h, sb, sh, st, sd, offs_t, offs_d, T, D)
+    return tl.load(where, mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(ptr, value, b, h, sb, sh, st, sd, offs_t, offs_d, T, D):
+    where, mask = _rows(ptr, b, h, sb, sh, st, sd, offs_t, offs_d, T, D)
+    tl.store(where, value.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _probabilities(q, k, lse, offs_m, offs_n, T, qk_scale):
+    """P = exp₂(q kᵀ·scale·log₂e − L) for one (query block, key block), 0 above the diagonal and past T."""
+    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+    visible = (offs_m[:, None] >= offs_n[None, :]) & (offs_m < T)[:, None] & (offs_n < T)[None, :]
+    return tl.where(visible, p, 0.0)
+
+
+@triton.jit
 def attention_forward_kernel(Q, K, V, O, LSE, sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
                              sob, soh, sot, sod, H, T, D, qk_scale,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
@@ -46,31 +73,24 @@ def attention_forward_kernel(Q, K, V, O, LSE, sqb, sqh, sqt, sqd, skb, skh, skt,
     b, h = bh // H, bh % H
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    rows, dims = offs_m < T, offs_d < D
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
-                mask=rows[:, None] & dims[None, :], other=0.0)
+    q = _load_rows(Q, b, h, sqb, sqh, sqt, sqd, offs_m, offs_d, T, D)
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     for start_n in range(0, tl.minimum((start_m + 1) * BLOCK_M, T), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        keys = offs_n < T
-        kt = tl.load(K + b * skb + h * skh + offs_n[None, :] * skt + offs_d[:, None] * skd,
-                     mask=keys[None, :] & dims[:, None], other=0.0)
-        s = tl.dot(q, kt) * qk_scale
-        s = tl.where((offs_m[:, None] >= offs_n[None, :]) & keys[None, :], s, float("-inf"))
+        k = _load_rows(K, b, h, skb, skh, skt, skd, offs_n, offs_d, T, D)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.where((offs_m[:, None] >= offs_n[None, :]) & (offs_n < T)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :] * svd,
-                    mask=keys[:, None] & dims[None, :], other=0.0)
+        v = _load_rows(V, b, h, svb, svh, svt, svd, offs_n, offs_d, T, D)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    acc = acc / l_i[:, None]
-    tl.store(O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod, acc.to(O.dtype.element_ty),
-             mask=rows[:, None] & dims[None, :])
-    tl.store(LSE + bh * T + offs_m, m_i + tl.log2(l_i), mask=rows)  # base-2 log-sum-exp of the scaled scores
+    _store_rows(O, acc / l_i[:, None], b, h, sob, soh, sot, sod, offs_m, offs_d, T, D)
+    tl.store(LSE + bh * T + offs_m, m_i + tl.log2(l_i), mask=offs_m < T)  # base-2 log-sum-exp of the scaled scores
 
 
 @triton.jit
@@ -80,10 +100,8 @@ def attention_delta_kernel(O, DO, DELTA, sob, soh, sot, sod, H, T, D, BLOCK_M: t
     b, h = bh // H, bh % H
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    mask = (offs_m < T)[:, None] & (offs_d < D)[None, :]
-    where = b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod
-    o = tl.load(O + where, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + where, mask=mask, other=0.0).to(tl.float32)
+    o = _load_rows(O, b, h, sob, soh, sot, sod, offs_m, offs_d, T, D).to(tl.float32)
+    do = _load_rows(DO, b, h, sob, soh, sot, sod, offs_m, offs_d, T, D).to(tl.float32)
     tl.store(DELTA + bh * T + offs_m, tl.sum(o * do, 1), mask=offs_m < T)
 
 
@@ -96,32 +114,22 @@ def attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqt, sqd, s
     b, h = bh // H, bh % H
     offs_n = start_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    keys, dims = offs_n < T, offs_d < D
-    k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd,
-                mask=keys[:, None] & dims[None, :], other=0.0)
-    v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :] * svd,
-                mask=keys[:, None] & dims[None, :], other=0.0)
+    k = _load_rows(K, b, h, skb, skh, skt, skd, offs_n, offs_d, T, D)
+    v = _load_rows(V, b, h, svb, svh, svt, svd, offs_n, offs_d, T, D)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), tl.float32)
     for start_m in range((start_n * BLOCK_N) // BLOCK_M * BLOCK_M, T, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        rows = offs_m < T
-        q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
-                    mask=rows[:, None] & dims[None, :], other=0.0)
-        do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
-                     mask=rows[:, None] & dims[None, :], other=0.0)
-        lse = tl.load(LSE + bh * T + offs_m, mask=rows, other=0.0)
-        delta = tl.load(DELTA + bh * T + offs_m, mask=rows, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale                       # (BLOCK_M, BLOCK_N)
-        p = tl.exp2(s - lse[:, None])
-        p = tl.where((offs_m[:, None] >= offs_n[None, :]) & rows[:, None] & keys[None, :], p, 0.0)
+        q = _load_rows(Q, b, h, sqb, sqh, sqt, sqd, offs_m, offs_d, T, D)
+        do = _load_rows(DO, b, h, sob, soh, sot, sod, offs_m, offs_d, T, D)
+        lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
+        delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
+        p = _probabilities(q, k, lse, offs_m, offs_n, T, qk_scale)   # (BLOCK_M, BLOCK_N)
         dv = tl.dot(tl.trans(p).to(do.dtype), do, dv)
-        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
-        ds = p * (dp - delta[:, None])
+        ds = p * (tl.dot(do, tl.trans(v)).to(tl.float32) - delta[:, None])
         dk = tl.dot(tl.trans(ds).to(q.dtype), q, dk)
-    out = offs_n[:, None] * sgt + offs_d[None, :] * sgd
-    tl.store(DK + b * sgb + h * sgh + out, (dk * scale).to(DK.dtype.element_ty), mask=keys[:, None] & dims[None, :])
-    tl.store(DV + b * sgb + h * sgh + out, dv.to(DV.dtype.element_ty), mask=keys[:, None] & dims[None, :])
+    _store_rows(DK, dk * scale, b, h, sgb, sgh, sgt, sgd, offs_n, offs_d, T, D)
+    _store_rows(DV, dv, b, h, sgb, sgh, sgt, sgd, offs_n, offs_d, T, D)
 
 
 @triton.jit
@@ -133,29 +141,19 @@ def attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqt, sqd, skb, sk
     b, h = bh // H, bh % H
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    rows, dims = offs_m < T, offs_d < D
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
-                mask=rows[:, None] & dims[None, :], other=0.0)
-    do = tl.load(DO + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :] * sod,
-                 mask=rows[:, None] & dims[None, :], other=0.0)
-    lse = tl.load(LSE + bh * T + offs_m, mask=rows, other=0.0)
-    delta = tl.load(DELTA + bh * T + offs_m, mask=rows, other=0.0)
+    q = _load_rows(Q, b, h, sqb, sqh, sqt, sqd, offs_m, offs_d, T, D)
+    do = _load_rows(DO, b, h, sob, soh, sot, sod, offs_m, offs_d, T, D)
+    lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
+    delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     for start_n in range(0, tl.minimum((start_m + 1) * BLOCK_M, T), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        keys = offs_n < T
-        k = tl.load(K + b * skb + h * skh + offs_n[:, None] * skt + offs_d[None, :] * skd,
-                    mask=keys[:, None] & dims[None, :], other=0.0)
-        v = tl.load(V + b * svb + h * svh + offs_n[:, None] * svt + offs_d[None, :] * svd,
-                    mask=keys[:, None] & dims[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        p = tl.exp2(s - lse[:, None])
-        p = tl.where((offs_m[:, None] >= offs_n[None, :]) & rows[:, None] & keys[None, :], p, 0.0)
-        dp = tl.dot(do, tl.trans(v)).to(tl.float32)
-        ds = p * (dp - delta[:, None])
+        k = _load_rows(K, b, h, skb, skh, skt, skd, offs_n, offs_d, T, D)
+        v = _load_rows(V, b, h, svb, svh, svt, svd, offs_n, offs_d, T, D)
+        p = _probabilities(q, k, lse, offs_m, offs_n, T, qk_scale)
+        ds = p * (tl.dot(do, tl.trans(v)).to(tl.float32) - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq)
-    tl.store(DQ + b * sgb + h * sgh + offs_m[:, None] * sgt + offs_d[None, :] * sgd, (dq * scale).to(DQ.dtype.element_ty),
-             mask=rows[:, None] & dims[None, :])
+    _store_rows(DQ, dq * scale, b, h, sgb, sgh, sgt, sgd, offs_m, offs_d, T, D)
 
 
 def _blocks(head_dim: int) -> dict:

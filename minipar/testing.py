@@ -108,6 +108,37 @@ def run_ranks(n: int, fn: Callable[..., Any], *args: Any, timeout: float = 60.0,
     return run_command(n, command, timeout=timeout, env=env)
 
 
+def train_cli(args: list[str], ranks: int = 1, out: str | None = None, timeout: float = 300.0) -> tuple[list, dict | None]:
+    """Run ``python -m minipar train *args`` (which should include --json) on ``ranks`` ranks — plain
+    python for one — and return its JSON records and, when ``out`` is given (passed as --out), the
+    parameters it saved."""
+    command = [sys.executable, "-m", "minipar", "train", *args, *(["--out", out] if out else [])]
+    if ranks == 1:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **RANK_ENV})
+        if proc.returncode:
+            raise AssertionError(f"training failed (exit {proc.returncode}):\n{_tail(proc.stderr)}")
+        text = proc.stdout
+    else:
+        text = run_command(ranks, command, timeout=timeout)
+    records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    if out is None:
+        return records, None
+    from minipar.checkpoint import read_safetensors
+
+    return records, read_safetensors(os.path.join(out, "model.safetensors"))[0]
+
+
+def assert_same_training(result: tuple, reference: tuple, rtol: float = 1e-9) -> None:
+    """Two ``train_cli`` results: the same per-step losses and final parameters (float64: rtol 1e-9)."""
+    (records, params), (ref_records, ref_params) = result, reference
+    np.testing.assert_allclose([r["loss"] for r in records if "loss" in r],
+                               [r["loss"] for r in ref_records if "loss" in r], rtol=rtol)
+    assert params.keys() == ref_params.keys()
+    for name, value in ref_params.items():
+        assert params[name].shape == value.shape, name
+        np.testing.assert_allclose(params[name], value, rtol=rtol, atol=1e-12, err_msg=name)
+
+
 def _tail(text: str, limit: int = 6000) -> str:
     return text if len(text) <= limit else "...\n" + text[-limit:]
 

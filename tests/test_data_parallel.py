@@ -5,45 +5,27 @@ train --dp dp --zero z`` give the same losses and the same final parameters as t
 on one process (rtol 1e-9); so does gradient accumulation. The step reports' counted bytes match
 the ZeRO paper's formulas and the model-state memory drops as the table in zero.py says.
 """
-import json
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from minipar.checkpoint import read_safetensors
-from minipar.testing import run_command
+from minipar.testing import assert_same_training, run_command, train_cli
 
 MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
          "--steps", "20", "--eval-interval", "0", "--json", "--lr", "3e-3", "--warmup", "5", "--bucket-mb", "0.01"]
 
 
 def train(tmp_path, name, ranks=1, extra=(), dtype="float64"):
-    out = tmp_path / name
-    args = ["-m", "minipar", "train", *MODEL, "--dtype", dtype, "--out", str(out), *extra]
-    if ranks == 1:
-        proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        text = proc.stdout
-    else:
-        text = run_command(ranks, [sys.executable, *args, "--dp", str(ranks)], timeout=300)
-    records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-    return records, read_safetensors(str(out / "model.safetensors"))[0]
+    dp = ["--dp", str(ranks)] if ranks > 1 else []
+    return train_cli([*MODEL, "--dtype", dtype, *dp, *extra], ranks, str(tmp_path / name))
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
     return {m: train(tmp, f"single-m{m}", extra=["--microbatches", str(m)]) for m in (1, 2)}
-
-
-def assert_same_training(parallel, single):
-    (records, params), (ref_records, ref_params) = parallel, single
-    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in ref_records], rtol=1e-9)
-    assert params.keys() == ref_params.keys()
-    for name in params:
-        np.testing.assert_allclose(params[name], ref_params[name], rtol=1e-9, atol=1e-12, err_msg=name)
 
 
 @pytest.mark.parametrize("dp", [2, 4])

@@ -1,31 +1,19 @@
 """Pipeline parallelism (GPipe and 1F1B) and the full dp·tp·pp mesh reproduce single-process
 training; the schedules' bubble and activation footprint match the formulas."""
-import json
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from minipar.checkpoint import read_safetensors
 from minipar.parallel.pipeline import bubble_fraction, schedule
-from minipar.testing import run_command, run_ranks
+from minipar.testing import assert_same_training, run_command, run_ranks, train_cli
 
 MODEL = ["--n-layer", "4", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
          "--steps", "20", "--eval-interval", "0", "--json", "--lr", "3e-3", "--warmup", "5", "--dtype", "float64"]
 
 
 def train(tmp_path, name, ranks=1, extra=()):
-    out = tmp_path / name
-    args = [sys.executable, "-m", "minipar", "train", *MODEL, "--out", str(out), *extra]
-    if ranks == 1:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        text = proc.stdout
-    else:
-        text = run_command(ranks, args, timeout=300)
-    return [json.loads(line) for line in text.splitlines() if line.startswith("{")], \
-        read_safetensors(str(out / "model.safetensors"))[0]
+    return train_cli([*MODEL, *extra], ranks, str(tmp_path / name))
 
 
 @pytest.fixture(scope="module")
@@ -33,19 +21,12 @@ def reference(tmp_path_factory):
     return train(tmp_path_factory.mktemp("single"), "single")
 
 
-def assert_same(result, reference):
-    np.testing.assert_allclose([r["loss"] for r in result[0]], [r["loss"] for r in reference[0]], rtol=1e-9)
-    assert result[1].keys() == reference[1].keys()
-    for name, value in reference[1].items():
-        np.testing.assert_allclose(result[1][name], value, rtol=1e-9, atol=1e-12, err_msg=name)
-
-
 @pytest.mark.parametrize("pp", [2, 4])
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_pipeline_matches_single_process(tmp_path, reference, pp, kind):
     m = 4
     result = train(tmp_path, "pp", pp, ["--pp", str(pp), "--schedule", kind, "--microbatches", str(m)])
-    assert_same(result, reference)
+    assert_same_training(result, reference)
     stats = result[0][-1]["pipeline"]  # rank 0 = stage 0
     assert stats["bubble"] == pytest.approx(bubble_fraction(pp, m), rel=0.10)
     assert stats["peak_microbatches_in_flight"] == (m if kind == "gpipe" else min(pp, m))
@@ -53,11 +34,11 @@ def test_pipeline_matches_single_process(tmp_path, reference, pp, kind):
 
 def test_hybrid_dp2_tp2_pp2_matches_single_process(tmp_path, reference):
     result = train(tmp_path, "hybrid", 8, ["--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2"])
-    assert_same(result, reference)
+    assert_same_training(result, reference)
 
 
 def test_hybrid_with_zero1(tmp_path, reference):
-    assert_same(train(tmp_path, "z1", 4, ["--dp", "2", "--pp", "2", "--zero", "1", "--microbatches", "2"]), reference)
+    assert_same_training(train(tmp_path, "z1", 4, ["--dp", "2", "--pp", "2", "--zero", "1", "--microbatches", "2"]), reference)
 
 
 def _peak_activations_per_stage(m):

@@ -1,7 +1,5 @@
 """Tensor parallelism reproduces single-process training (through the CLI), makes exactly the
 collectives Megatron's analysis says, and handles a vocabulary that does not divide by tp."""
-import json
-import subprocess
 import sys
 
 import numpy as np
@@ -9,11 +7,10 @@ import pytest
 from mpi4py import MPI
 
 from minipar import Tensor, ops
-from minipar.checkpoint import read_safetensors
 from minipar.comm.collectives import all_reduce_bytes_sent
 from minipar.models.gpt import GPT, GPTConfig
 from minipar.parallel.tensor_parallel import merge_state_dicts, shard_state_dict
-from minipar.testing import run_command, run_ranks
+from minipar.testing import assert_same_training, run_command, run_ranks, train_cli
 
 L, B, T, C = 2, 8, 16, 16
 MODEL = ["--n-layer", str(L), "--n-head", "4", "--n-embd", str(C), "--block-size", str(T), "--batch-size", str(B),
@@ -21,24 +18,7 @@ MODEL = ["--n-layer", str(L), "--n-head", "4", "--n-embd", str(C), "--block-size
 
 
 def train(tmp_path, name, ranks=1, extra=()):
-    out = tmp_path / name
-    args = [sys.executable, "-m", "minipar", "train", *MODEL, "--out", str(out), *extra]
-    if ranks == 1:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stderr
-        text = proc.stdout
-    else:
-        text = run_command(ranks, args, timeout=300)
-    records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
-    return records, read_safetensors(str(out / "model.safetensors"))[0]
-
-
-def assert_same(result, reference):
-    np.testing.assert_allclose([r["loss"] for r in result[0]], [r["loss"] for r in reference[0]], rtol=1e-9)
-    assert result[1].keys() == reference[1].keys()
-    for name, value in reference[1].items():
-        assert result[1][name].shape == value.shape, name
-        np.testing.assert_allclose(result[1][name], value, rtol=1e-9, atol=1e-12, err_msg=name)
+    return train_cli([*MODEL, *extra], ranks, str(tmp_path / name))
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +35,7 @@ def test_matches_single_process(tmp_path, layout):
     reference = train(tmp_path, "single")
     ranks = int(np.prod([int(v) for k, v in zip(layout[::2], layout[1::2]) if k in ("--tp", "--dp")]))
     result = train(tmp_path, "tp", ranks, layout)
-    assert_same(result, reference)
+    assert_same_training(result, reference)
     tp = int(layout[1])
     for record in result[0]:  # per step: 2 forward + 2 backward all-reduces per layer, + embedding, head, loss
         calls = record["comm_calls_by_op"]
@@ -71,7 +51,7 @@ def test_matches_single_process(tmp_path, layout):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_vocab_not_divisible_by_tp(tmp_path, odd_vocab_checkpoint, tp):
     init = ["--init-from", odd_vocab_checkpoint]
-    assert_same(train(tmp_path, "tp", tp, [*init, "--tp", str(tp)]), train(tmp_path, "single", 1, init))
+    assert_same_training(train(tmp_path, "tp", tp, [*init, "--tp", str(tp)]), train(tmp_path, "single", 1, init))
 
 
 def test_shard_and_merge_round_trip():
