@@ -79,7 +79,7 @@ def plan_command(args: argparse.Namespace) -> None:
         if not predictions:
             raise ValueError(f"no feasible-or-not layout matches {args.layout}")
     flops = lambda layout: planner.megatron_flops(cfg, args.batch_size, layout.recompute)  # noqa: E731
-    print(f"GPT L={L} H={H} C={C} T={T} V={V} ({planner.stage_parameters(cfg, 1) / 1e6:,.1f} M params), "
+    print(f"GPT L={L} H={H} C={C} T={T} V={V} ({cfg.num_parameters() / 1e6:,.1f} M params), "
           f"batch {args.batch_size}, {args.dtype}, {args.world} × {profile.name} ({profile.memory / 1e9:.0f} GB)")
     print(planner.format_plan(predictions, args.top, flops))
 

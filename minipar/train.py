@@ -277,7 +277,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     train_tokens, val_tokens = split_tokens(tokens)
     batches = Batches(train_tokens, args.batch_size, block, seed=args.seed)
     val_batches = Batches(val_tokens, args.batch_size, block, seed=args.seed + 1) if len(val_tokens) > block + 2 else None
-    n_params = GPT(cfg).num_parameters() if mesh.tp > 1 else model.num_parameters()
+    n_params = cfg.num_parameters()
     engine, optimizer = build_engine(model, mesh.dp_comm, args)
     local_sgd = LocalSGD(model, mesh.dp_comm, args.local_sgd, args.outer_lr, args.outer_momentum,
                          staleness=args.staleness) if args.local_sgd else None

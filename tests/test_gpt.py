@@ -49,6 +49,12 @@ def test_forward_matches_reference():
     np.testing.assert_allclose(logits.data, reference_forward(model.state_dict(), cfg, idx), rtol=1e-11, atol=1e-13)
 
 
+def test_config_counts_the_parameters():
+    for kw in (TINY, dict(TINY, n_layer=3, vocab_size=300)):
+        cfg = GPTConfig(**kw)
+        assert cfg.num_parameters() == GPT(cfg).num_parameters()
+
+
 def test_parameter_names_are_hugging_face_names():
     names = [n for n, _ in GPT(GPTConfig(**TINY)).named_parameters()]
     assert names[:4] == ["transformer.wte.weight", "transformer.wpe.weight", "transformer.h.0.ln_1.weight",

@@ -53,6 +53,12 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    def num_parameters(self, layers: int | None = None, embeddings: bool = True, final_norm: bool = True) -> int:
+        """Parameter count: 12C² + 13C per block, V·C + T·C for the embeddings (the head is tied), 2C for ln_f."""
+        C = self.n_embd
+        blocks = (self.n_layer if layers is None else layers) * (12 * C * C + 13 * C)
+        return blocks + (self.vocab_size * C + self.block_size * C if embeddings else 0) + (2 * C if final_norm else 0)
+
 
 class CausalSelfAttention(Module):
     def __init__(self, cfg: GPTConfig):

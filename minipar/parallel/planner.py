@@ -132,12 +132,7 @@ def _ring_all_reduce(n_bytes: float, p: int, link: Link) -> float:
 
 def stage_parameters(cfg: Any, pp: int) -> float:
     """Parameters of the largest pipeline stage (the first: its blocks plus the embeddings)."""
-    C, V, L = cfg.n_embd, cfg.vocab_size, cfg.n_layer
-    per_layer = 12 * C * C + 13 * C
-    embeddings = V * C + cfg.block_size * C
-    if pp == 1:
-        return L * per_layer + embeddings + 2 * C
-    return math.ceil(L / pp) * per_layer + embeddings
+    return cfg.num_parameters() if pp == 1 else cfg.num_parameters(math.ceil(cfg.n_layer / pp), final_norm=False)
 
 
 def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsize: int = 4) -> Prediction:
