@@ -58,6 +58,13 @@ def _store_rows(ptr, value, b, h, sb, sh, st, sd, offs_t, offs_d, T, D):
 
 
 @triton.jit
+def _row_statistics(LSE, DELTA, bh, offs_m, T):
+    """The forward's log-sum-exp L and the Δ of the rows ``offs_m`` of one (batch, head)."""
+    return (tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0),
+            tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0))
+
+
+@triton.jit
 def _probabilities(q, k, lse, offs_m, offs_n, T, qk_scale):
     """P = exp₂(q kᵀ·scale·log₂e − L) for one (query block, key block), 0 above the diagonal and past T."""
     p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
@@ -122,8 +129,7 @@ def attention_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, sqb, sqh, sqt, sqd, s
         offs_m = start_m + tl.arange(0, BLOCK_M)
         q = _load_rows(Q, b, h, sqb, sqh, sqt, sqd, offs_m, offs_d, T, D)
         do = _load_rows(DO, b, h, sob, soh, sot, sod, offs_m, offs_d, T, D)
-        lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
-        delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
+        lse, delta = _row_statistics(LSE, DELTA, bh, offs_m, T)
         p = _probabilities(q, k, lse, offs_m, offs_n, T, qk_scale)   # (BLOCK_M, BLOCK_N)
         dv = tl.dot(tl.trans(p).to(do.dtype), do, dv)
         ds = p * (tl.dot(do, tl.trans(v)).to(tl.float32) - delta[:, None])
@@ -143,8 +149,7 @@ def attention_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, sqb, sqh, sqt, sqd, skb, sk
     offs_d = tl.arange(0, HEAD_DIM)
     q = _load_rows(Q, b, h, sqb, sqh, sqt, sqd, offs_m, offs_d, T, D)
     do = _load_rows(DO, b, h, sob, soh, sot, sod, offs_m, offs_d, T, D)
-    lse = tl.load(LSE + bh * T + offs_m, mask=offs_m < T, other=0.0)
-    delta = tl.load(DELTA + bh * T + offs_m, mask=offs_m < T, other=0.0)
+    lse, delta = _row_statistics(LSE, DELTA, bh, offs_m, T)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
     for start_n in range(0, tl.minimum((start_m + 1) * BLOCK_M, T), BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
