@@ -183,7 +183,7 @@ def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoin
 
 def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any, model: GPT, mesh: Mesh) -> str:
     """Save parameters and AdamW state in this layout; dp rank 0 of each (pp, tp) group writes its slice."""
-    params = engine.gathered_state_dict() if args.zero else model.state_dict()
+    params = engine.gathered_state_dict()
     moments = optimizer.export_state({id(p): n for n, p in model.named_parameters()})
     state = {"param": params, **moments} if mesh.dp_rank == 0 else None
     return save_checkpoint(args.save, step, state, mesh, model.config, args.zero, optimizer.step_count)
@@ -227,9 +227,9 @@ def group_sum(comm: Communicator):
     return lambda s: comm.all_reduce(xp.asarray(s, dtype=xp.float64).reshape(1), label="grad_norm")[0]
 
 
-def full_state_dict(engine: Any, model: GPT, mesh: Mesh, zero: int) -> dict[str, np.ndarray]:
+def full_state_dict(engine: Any, model: GPT, mesh: Mesh) -> dict[str, np.ndarray]:
     """Every parameter whole, on every rank: gathered over the ZeRO shards, the tp slices, the pp stages."""
-    local = engine.gathered_state_dict() if zero else model.state_dict()
+    local = engine.gathered_state_dict()
     if mesh.tp > 1:
         local = gather_tensor_parallel_state(local, model.config, mesh.tp_comm)
     return stage_state(local, mesh.pp_comm) if mesh.pp > 1 else local
@@ -348,7 +348,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         if lead and not args.json:
             print(f"wrote {args.trace} (open in ui.perfetto.dev, or: python -m minipar trace-plot {args.trace})", flush=True)
     if args.out:
-        state = full_state_dict(engine, model, mesh, args.zero)
+        state = full_state_dict(engine, model, mesh)
         if lead:
             GPT(cfg).save_hf(args.out, state)
             if not args.json:

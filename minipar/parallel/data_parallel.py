@@ -106,6 +106,10 @@ class ReplicatedModel:
     def parameters(self) -> list[Parameter]:
         return self.params
 
+    def gathered_state_dict(self) -> dict[str, Any]:
+        """Every parameter whole, by name (a replica already holds them all; ZeRO gathers its shards)."""
+        return self.module.state_dict()
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, without communicating."""
