@@ -41,10 +41,6 @@ def no_grad() -> Iterator[None]:
         _grad_enabled = previous
 
 
-def is_grad_enabled() -> bool:
-    return _grad_enabled
-
-
 class Context:
     """Scratch space a Function's forward leaves for its backward."""
 

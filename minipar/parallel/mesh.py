@@ -32,8 +32,5 @@ class Mesh:
         """(pp_rank, dp_rank, tp_rank) of a world rank."""
         return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
 
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
-
     def __repr__(self) -> str:
         return f"Mesh(pp={self.pp}, dp={self.dp}, tp={self.tp}; rank {self.world.rank} = {self.coordinates(self.world.rank)})"
