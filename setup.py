@@ -6,12 +6,19 @@ setup(
     description="A from-scratch, readable distributed-training engine: autograd, GPT-2, hand-written collectives, DP/TP/PP/ZeRO.",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    packages=find_packages(include=["minipar", "minipar.*", "kernels", "kernels.*"]),
+    # The repository keeps the Triton kernels in ./kernels, but they install (and import) as
+    # minipar.kernels: a top-level "kernels" would collide with an unrelated PyPI package.
+    packages=find_packages(include=["minipar", "minipar.*"]) + ["minipar.kernels"],
+    package_dir={"minipar.kernels": "kernels"},
     python_requires=">=3.9",
-    install_requires=["numpy>=1.24", "mpi4py>=4.0", "mpich"],
+    # regex: GPT-2's pre-tokenizer pattern needs the Unicode classes \p{L} and \p{N}, which re lacks
+    install_requires=["numpy>=1.24", "mpi4py>=4.0", "mpich", "regex>=2022.1"],
     extras_require={
-        "test": ["pytest>=7", "pytest-timeout>=2.1", "triton>=3.2"],  # triton: kernel tests run in its CPU interpreter
+        # triton: kernel tests run in its CPU interpreter; tokenizers: the reference for the GPT-2 BPE test;
+        # matplotlib: the picture tests
+        "test": ["pytest>=7", "pytest-timeout>=2.1", "triton>=3.2", "tokenizers>=0.15", "matplotlib>=3.5"],
         "gpu": ["cupy-cuda12x", "triton"],
+        "plot": ["matplotlib>=3.5"],
     },
     entry_points={"console_scripts": ["minipar=minipar.__main__:main"]},
 )

@@ -24,9 +24,9 @@ def main() -> None:
         import cupy
     except ImportError:
         sys.exit("benchmarks/kernels.py needs a GPU with cupy: pip install 'minipar[gpu]'")
-    from kernels.adapter import cupy_bench
-    from kernels.flash_attention import attention_backward, attention_forward
-    from kernels.matmul import matmul
+    from minipar.kernels.adapter import cupy_bench
+    from minipar.kernels.flash_attention import attention_backward, attention_forward
+    from minipar.kernels.matmul import matmul
     from minipar import backend, ops
     from minipar.autograd import Tensor
 
@@ -95,7 +95,7 @@ def main() -> None:
 
 def _unfused(qkv, H, fwd_flops):
     """TFLOP/s of minipar's reference attention op on cupy (fp32: the unfused path materializes P)."""
-    from kernels.adapter import cupy_bench
+    from minipar.kernels.adapter import cupy_bench
     from minipar import backend, ops
     from minipar.autograd import Tensor
 
@@ -118,7 +118,7 @@ def _cublas_bf16(a, b, c, n):
     import cupy
     from cupy_backends.cuda.libs import cublas
 
-    from kernels.adapter import cupy_bench
+    from minipar.kernels.adapter import cupy_bench
 
     try:
         handle = cupy.cuda.device.get_cublas_handle()

@@ -33,7 +33,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from kernels.adapter import element_strides, empty, interpreting, kernel_arg
+from minipar.kernels.adapter import element_strides, empty, interpreting, kernel_arg
 
 LOG2E = 1.4426950408889634
 
@@ -180,12 +180,13 @@ def _check(q: Any) -> tuple[int, int, int, int]:
     return B, H, T, D
 
 
-def attention_forward(q: Any, k: Any, v: Any, out: Any) -> Any:
-    """Causal softmax(q kᵀ/√D) v into ``out`` (all (B, H, T, D) views); returns the (B, H, T) base-2 log-sum-exp."""
+def attention_forward(q: Any, k: Any, v: Any, out: Any, scale: float | None = None) -> Any:
+    """Causal softmax(q kᵀ·scale) v into ``out`` (all (B, H, T, D) views; scale defaults to 1/√D);
+    returns the (B, H, T) base-2 log-sum-exp."""
     B, H, T, D = _check(q)
     lse = empty(q, (B, H, T), dtype="float32")
     head_dim = max(16, triton.next_power_of_2(D))
-    scale = 1.0 / math.sqrt(D)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
     blocks = _blocks(head_dim)
     grid = (triton.cdiv(T, blocks["BLOCK_M"]), B * H)
     attention_forward_kernel[grid](kernel_arg(q), kernel_arg(k), kernel_arg(v), kernel_arg(out), kernel_arg(lse),
@@ -194,8 +195,10 @@ def attention_forward(q: Any, k: Any, v: Any, out: Any) -> Any:
     return lse
 
 
-def attention_backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, dq: Any, dk: Any, dv: Any) -> None:
-    """Write dq, dk, dv (views laid out alike) from the forward's q, k, v, out, lse and the gradient of out.
+def attention_backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any, dq: Any, dk: Any, dv: Any,
+                       scale: float | None = None) -> None:
+    """Write dq, dk, dv (views laid out alike) from the forward's q, k, v, out, lse and the gradient of out
+    (``scale`` as given to :func:`attention_forward`).
 
     ``grad_out`` must be laid out like ``out`` (the Δ pass reads both with out's strides).
     """
@@ -203,7 +206,7 @@ def attention_backward(q: Any, k: Any, v: Any, out: Any, lse: Any, grad_out: Any
     if element_strides(grad_out) != element_strides(out):
         raise ValueError("grad_out must have the same strides as out")
     head_dim = max(16, triton.next_power_of_2(D))
-    scale = 1.0 / math.sqrt(D)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
     blocks = _blocks(head_dim)
     delta = empty(q, (B, H, T), dtype="float32")
     attention_delta_kernel[(triton.cdiv(T, blocks["BLOCK_M"]), B * H)](

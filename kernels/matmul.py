@@ -19,7 +19,7 @@ from typing import Any
 import triton
 import triton.language as tl
 
-from kernels.adapter import cupy_bench, element_strides, empty, interpreting, kernel_arg
+from minipar.kernels.adapter import cupy_bench, element_strides, empty, interpreting, kernel_arg
 
 
 @triton.jit

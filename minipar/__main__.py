@@ -1,4 +1,4 @@
-"""``python -m minipar {train,generate,trace-plot,export} ...`` — run ``python -m minipar <command> --help`` for the flags."""
+"""``python -m minipar {train,generate,plan,trace-plot,plot,export} ...`` — run ``python -m minipar <command> --help`` for the flags."""
 from __future__ import annotations
 
 import argparse
@@ -27,14 +27,28 @@ def generate(args: argparse.Namespace) -> None:
 
 
 def trace_plot(args: argparse.Namespace) -> None:
-    from minipar.trace import ascii_chart, load_events, png_chart
+    from minipar.plot import ascii_chart, load_events, timeline_png
 
     events = load_events(args.trace)
     if not events:
         raise ValueError(f"{args.trace}: no events (was it written by --trace?)")
     print(ascii_chart(events, args.width))
     if args.o:
-        png_chart(events, args.o)
+        timeline_png(events, args.o)
+        print(f"wrote {args.o}")
+
+
+def plot_command(args: argparse.Namespace) -> None:
+    from minipar.plot import ascii_loss_chart, load_run, loss_png, summary
+
+    names = [os.path.splitext(os.path.basename(p))[0] for p in args.runs]
+    if len(set(names)) < len(names):
+        names = list(args.runs)
+    runs = {name: load_run(path) for name, path in zip(names, args.runs)}
+    print(summary(runs))
+    print(ascii_loss_chart(runs, args.width))
+    if args.o:
+        loss_png(runs, args.o)
         print(f"wrote {args.o}")
 
 
@@ -88,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     from minipar.train import add_arguments
 
     parser = argparse.ArgumentParser(prog="python -m minipar", description=__doc__.split("—")[0].strip(" `"))
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,plan,trace-plot,export}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,plan,trace-plot,plot,export}")
     train = commands.add_parser("train", help="train a GPT (single process or under mpiexec)",
                                 description="Train a GPT on the default corpus (this Python's standard library source) or --data.")
     add_arguments(train)
@@ -120,11 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--top", type=int, default=10)
     pl.add_argument("--calibrate", action="store_true",
                     help="measure this machine and save its profile (run under mpiexec -n WORLD)")
-    plot = commands.add_parser("trace-plot", help="draw a --trace timeline (ASCII, or PNG with -o)",
-                               description="Draw the per-rank timeline written by train --trace.")
-    plot.add_argument("trace", metavar="TRACE.json")
-    plot.add_argument("-o", metavar="OUT.png", help="also write the chart as a PNG")
-    plot.add_argument("--width", type=int, default=100, help="columns of the ASCII chart")
+    tplot = commands.add_parser("trace-plot", help="draw a --trace timeline (text, and a PNG with -o)",
+                                description="Draw the per-rank timeline written by train --trace.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tplot.add_argument("trace", metavar="TRACE.json")
+    tplot.add_argument("-o", metavar="OUT.png", help="also draw it as a picture (needs: pip install 'minipar[plot]')")
+    tplot.add_argument("--width", type=int, default=100, help="columns of the text chart")
+    lplot = commands.add_parser("plot", help="draw loss curves of one or more runs (text, and a PNG with -o)",
+                                description="Draw the training and validation loss of runs recorded with "
+                                            "train --json > RUN.jsonl (or --log-file RUN.jsonl), on one chart.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    lplot.add_argument("runs", nargs="+", metavar="RUN.jsonl")
+    lplot.add_argument("-o", metavar="OUT.png", help="also draw it as a picture (needs: pip install 'minipar[plot]')")
+    lplot.add_argument("--width", type=int, default=72, help="columns of the text chart")
     exp = commands.add_parser("export", help="write a sharded checkpoint as one Hugging Face GPT-2 directory",
                               description="Merge a checkpoint saved by train --save (any dp/tp/pp/zero layout) into "
                                           "config.json + model.safetensors.")
@@ -141,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
 
             train(args)
         else:
-            {"generate": generate, "plan": plan_command, "trace-plot": trace_plot, "export": export}[args.command](args)
+            {"generate": generate, "plan": plan_command, "trace-plot": trace_plot, "plot": plot_command,
+             "export": export}[args.command](args)
     except (ValueError, FileNotFoundError, KeyError, RuntimeError, OSError) as e:
         print(f"minipar {args.command}: error: {e}", file=sys.stderr)
         return 2

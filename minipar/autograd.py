@@ -19,6 +19,12 @@ computing the gradients of earlier layers.
 Gradients handed between nodes are never modified in place (one array may feed several inputs);
 the ``.grad`` stored on a leaf is always an array the leaf owns, so optimizers and hooks may
 update it in place.
+
+Imports: this module and ``ops.py`` import each other, on purpose. ``ops`` defines every Function
+on top of :class:`Function` and :class:`Tensor`; the Tensor operators here (``a + b``, ``a @ b``,
+``a.sum()``) are one-line calls into ``ops``, so that ``x @ w + b`` reads like numpy. The cycle is
+closed by one import at the bottom of this file, after both classes exist; nothing else in minipar
+has an import cycle (tests/test_layering.py checks it).
 """
 from __future__ import annotations
 

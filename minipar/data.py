@@ -14,10 +14,10 @@ import functools
 import glob
 import json
 import os
-import re
 import sysconfig
 
 import numpy as np
+import regex
 
 
 # ------------------------------------------------------------------------------------ tokenizers
@@ -47,8 +47,10 @@ def _byte_to_unicode() -> dict[int, str]:
     return chars
 
 
-# GPT-2's pre-tokenizer, with Python's re: [^\W\d_] = letters, \d = digits.
-_PRETOKEN = re.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?[^\W\d_]+| ?\d+| ?[^\s\w]+|\s+(?!\S)|\s+""")
+# GPT-2's pre-tokenizer pattern, verbatim. It needs Unicode's letter and number classes \p{L} and \p{N},
+# which the ``regex`` package implements and Python's ``re`` lacks (an imitation with \w and \d
+# drops "_" and misfiles characters such as "²" or "\x1c").
+_PRETOKEN = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 
 
 class BPETokenizer:

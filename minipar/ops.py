@@ -36,7 +36,7 @@ def _shape(x: Any) -> tuple[int, ...]:
 def _matmul2d(a: Any, b: Any) -> Any:
     """a @ b for matrices: the Triton kernel when the backend says so (kernels/matmul.py), else BLAS."""
     if use_triton(a.dtype):
-        from kernels.matmul import matmul
+        from minipar.kernels.matmul import matmul
 
         return matmul(a, b)
     return a @ b
@@ -485,8 +485,9 @@ class CrossEntropy(Function):
 class CausalSelfAttention(Function):
     """Multi-head causal attention on a fused (B, T, 3C) tensor [q | k | v], heads of size D = C/H.
 
-    Forward per head:  S = q kᵀ / √D + M  (M = -∞ above the diagonal),  P = softmax(S),  y = P v.
-    Backward:          dv = Pᵀ dy,  dP = dy vᵀ,  dS = P ⊙ (dP - Σ_row dP ⊙ P) / √D,
+    Forward per head:  S = q kᵀ·s + M  (M = -∞ above the diagonal),  P = softmax(S),  y = P v,
+                       with the score scale s = 1/√D unless given (GPT-2's scale_attn_* options).
+    Backward:          dv = Pᵀ dy,  dP = dy vᵀ,  dS = P ⊙ (dP - Σ_row dP ⊙ P)·s,
                        dq = dS k,   dk = dSᵀ q.
     Returns (B, T, C) with heads concatenated, as GPT-2 does. ``n_head`` is the number of heads
     present in ``qkv``: all of them, or the local share under tensor parallelism. When the backend
@@ -495,27 +496,26 @@ class CausalSelfAttention(Function):
     """
 
     @staticmethod
-    def forward(ctx: Context, qkv: Any, n_head: int) -> Any:
+    def forward(ctx: Context, qkv: Any, n_head: int, scale: float | None) -> Any:
         B, T, C3 = qkv.shape
         C = C3 // 3
         D = C // n_head
         q, k, v = qkv.reshape(B, T, 3, n_head, D).transpose(2, 0, 3, 1, 4)  # each (B, H, T, D), views
+        ctx.scale = 1.0 / math.sqrt(D) if scale is None else scale
         ctx.flash = use_triton(qkv.dtype)
         if ctx.flash:  # kernels/flash_attention.py: online softmax, never the (T, T) matrix
-            from kernels.flash_attention import attention_forward
+            from minipar.kernels.flash_attention import attention_forward
 
             out = xp.empty((B, T, n_head, D), dtype=qkv.dtype)
-            lse = attention_forward(q, k, v, out.transpose(0, 2, 1, 3))
+            lse = attention_forward(q, k, v, out.transpose(0, 2, 1, 3), ctx.scale)
             ctx.save_for_backward(q, k, v, out, lse)
             return out.reshape(B, T, C)
-        scale = 1.0 / math.sqrt(D)
         s = q @ xp.swapaxes(k, -1, -2)
-        s *= scale
+        s *= ctx.scale
         s += _causal_mask(T, s.dtype)
         p = _softmax(s, axis=-1)
         y = p @ v
         ctx.save_for_backward(q, k, v, p)
-        ctx.scale = scale
         return y.transpose(0, 2, 1, 3).reshape(B, T, C)
 
     @staticmethod
@@ -526,18 +526,18 @@ class CausalSelfAttention(Function):
         gqkv = xp.empty((B, T, 3, H, D), dtype=g.dtype)
         gqkv_heads = gqkv.transpose(2, 0, 3, 1, 4)  # (3, B, H, T, D) view
         if ctx.flash:
-            from kernels.flash_attention import attention_backward
+            from minipar.kernels.flash_attention import attention_backward
 
             out, lse = ctx.saved[3:]
-            attention_backward(q, k, v, out.transpose(0, 2, 1, 3), lse, gy, *gqkv_heads)
-            return gqkv.reshape(B, T, 3 * H * D), None
+            attention_backward(q, k, v, out.transpose(0, 2, 1, 3), lse, gy, *gqkv_heads, ctx.scale)
+            return gqkv.reshape(B, T, 3 * H * D), None, None
         p = ctx.saved[3]
         xp.matmul(xp.swapaxes(p, -1, -2), gy, out=gqkv_heads[2])
         ds = _softmax_backward(p, gy @ xp.swapaxes(v, -1, -2), axis=-1)
         ds *= ctx.scale
         xp.matmul(ds, k, out=gqkv_heads[0])
         xp.matmul(xp.swapaxes(ds, -1, -2), q, out=gqkv_heads[1])
-        return gqkv.reshape(B, T, 3 * H * D), None
+        return gqkv.reshape(B, T, 3 * H * D), None, None
 
 
 _masks: dict[tuple, Any] = {}
@@ -579,4 +579,6 @@ def layer_norm(x, w, b, eps: float = 1e-5) -> Tensor: return LayerNorm.apply(x, 
 def gelu(x) -> Tensor: return GELU.apply(x)
 def embedding(idx, w) -> Tensor: return Embedding.apply(idx, w)
 def cross_entropy(logits, targets, ignore_index: int = -100) -> Tensor: return CrossEntropy.apply(logits, targets, ignore_index)
-def causal_self_attention(qkv, n_head: int) -> Tensor: return CausalSelfAttention.apply(qkv, n_head)
+def causal_self_attention(qkv, n_head: int, scale: float | None = None) -> Tensor:
+    """Causal multi-head attention of packed q|k|v with scores q·kᵀ·scale (default 1/√head_dim)."""
+    return CausalSelfAttention.apply(qkv, n_head, scale)

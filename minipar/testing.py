@@ -123,7 +123,7 @@ def train_cli(args: list[str], ranks: int = 1, out: str | None = None, timeout: 
     records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     if out is None:
         return records, None
-    from minipar.checkpoint import read_safetensors
+    from minipar.safetensors_io import read_safetensors
 
     return records, read_safetensors(os.path.join(out, "model.safetensors"))[0]
 

@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from minipar.checkpoint import load_checkpoint, read_safetensors
+from minipar.checkpoint import load_checkpoint
+from minipar.safetensors_io import read_safetensors
 from minipar.models.gpt import GPT
 from minipar.testing import RANK_ENV, mpiexec, run_command
 

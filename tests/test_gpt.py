@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from minipar.checkpoint import read_safetensors, write_safetensors
+from minipar.safetensors_io import read_safetensors, write_safetensors
 from minipar.models.gpt import GPT, GPTConfig
 from minipar.testing import gradcheck
 
@@ -107,7 +107,7 @@ def test_from_hf_accepts_transformers_layouts(tmp_path):
 
     tensors["lm_head.weight"] = tensors["wte.weight"] + 1.0
     write_safetensors(str(tmp_path / "model.safetensors"), tensors)
-    with pytest.raises(ValueError, match="ties them"):
+    with pytest.raises(ValueError, match="ties its head"):
         GPT.from_hf(str(tmp_path))
 
 

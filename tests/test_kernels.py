@@ -3,9 +3,9 @@ against numpy: matmul, flash attention forward and backward, and the GPT step th
 import numpy as np
 import pytest
 
-from kernels.adapter import InterpretedArray, interpreting
-from kernels.flash_attention import attention_backward, attention_forward
-from kernels.matmul import matmul
+from minipar.kernels.adapter import InterpretedArray, interpreting
+from minipar.kernels.flash_attention import attention_backward, attention_forward
+from minipar.kernels.matmul import matmul
 from minipar import backend, ops
 from minipar.autograd import Tensor
 from minipar.models.gpt import GPT, GPTConfig

@@ -1,10 +1,10 @@
-"""--trace writes one Chrome trace for all ranks; trace-plot draws it as ASCII and as a PNG."""
+"""--trace writes one Chrome trace for all ranks; trace-plot draws it as text and as a picture;
+plot draws the loss curves of several runs."""
 import json
-import struct
 import subprocess
 import sys
-import zlib
 
+from minipar.__main__ import main
 from minipar.testing import run_command
 
 
@@ -27,12 +27,33 @@ def test_trace_and_plot(tmp_path):
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.startswith("rank")]
     assert len(rows) == 2 and all("F" in r and "B" in r and len(r) == len("rank  0 |") + 60 + 1 for r in rows)
-    blob = png.read_bytes()
-    assert blob[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", blob[16:24])
-    assert (width, height) == (1000, 2 * 32 + 4)
-    idat = blob[blob.index(b"IDAT") + 4:blob.index(b"IEND") - 8]
-    assert len(zlib.decompress(idat)) == height * (1 + 3 * width)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    svg = tmp_path / "schedule.svg"  # the same picture with its text kept as text: legend, rank labels, time axis
+    assert main(["trace-plot", str(path), "-o", str(svg)]) == 0
+    text = svg.read_text()
+    assert all(label in text for label in ("rank 0", "rank 1", "time (ms)", "forward", "backward", "comm"))
+
+
+def test_plot_loss_curves_of_several_runs(tmp_path, capsys):
+    tiny = ["train", "--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4",
+            "--steps", "6", "--json", "--eval-interval", "3", "--eval-batches", "1"]
+    for name, lr in (("slow", "1e-4"), ("fast", "3e-3")):
+        assert main([*tiny, "--lr", lr]) == 0
+        (tmp_path / f"{name}.jsonl").write_text(capsys.readouterr().out)
+    svg = tmp_path / "loss.svg"
+    assert main(["plot", str(tmp_path / "slow.jsonl"), str(tmp_path / "fast.jsonl"), "-o", str(svg)]) == 0
+    out = capsys.readouterr().out
+    assert "slow: 6 steps" in out and "fast: 6 steps" in out and "best val loss" in out
+    assert "* slow" in out and "o fast" in out  # the text chart's legend
+    text = svg.read_text()
+    assert all(label in text for label in ("slow", "fast (validation)", "step", "loss"))
+
+
+def test_plot_rejects_a_file_without_losses(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("hello\n")
+    out = subprocess.run([sys.executable, "-m", "minipar", "plot", str(path)], capture_output=True, text=True)
+    assert out.returncode == 2 and "no loss records" in out.stderr
 
 
 def test_trace_plot_rejects_an_empty_trace(tmp_path):

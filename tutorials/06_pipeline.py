@@ -12,7 +12,7 @@ import tempfile
 
 import numpy as np
 
-from minipar import trace
+from minipar import plot, trace
 from minipar.comm import Communicator
 from minipar.data import Batches, load_tokens
 from minipar.models.gpt import GPT, GPTConfig
@@ -55,7 +55,7 @@ for kind in ("gpipe", "1f1b"):
         np.testing.assert_allclose(q.grad, ref_grads[n], rtol=1e-9, atol=1e-13, err_msg=n)
     trace.write(timeline, comm)
     if s == 0:
-        print(trace.ascii_chart(trace.load_events(timeline), width=96))
+        print(plot.ascii_chart(plot.load_events(timeline), width=96))
 say("(wall clock: here 4 ranks share 2 cores and the last stage also runs the head and the loss)")
 say("GPipe keeps all m microbatches alive before its first backward; 1F1B starts backward as soon as the")
 say("pipeline is full, so stage s never holds more than p − s. Same bubble, far less activation memory.")

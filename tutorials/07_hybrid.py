@@ -13,7 +13,7 @@ import tempfile
 
 import numpy as np
 
-from minipar import trace
+from minipar import plot
 from minipar.checkpoint import load_checkpoint
 from minipar.comm import Communicator
 from minipar.data import Batches, load_tokens, split_tokens
@@ -39,7 +39,7 @@ flags = ["--dp", "2", "--tp", "2", "--pp", "2", "--microbatches", "2", "--n-laye
 records = train(parser.parse_args(flags))
 say(f"2. losses: {[round(r['loss'], 6) for r in records]}")
 if world.rank == 0:
-    print(trace.ascii_chart(trace.load_events(os.path.join(work, "t.json")), width=96))
+    print(plot.ascii_chart(plot.load_events(os.path.join(work, "t.json")), width=96))
     ckpt = load_checkpoint(os.path.join(work, "ckpt"))
     print(f"3. checkpoint {ckpt.path}: {ckpt.layout_name}, merged to {len(ckpt.params)} full tensors")
     cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=16, dtype="float64")

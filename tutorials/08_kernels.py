@@ -15,8 +15,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import numpy as np  # noqa: E402
 
-from kernels.flash_attention import attention_backward, attention_forward  # noqa: E402
-from kernels.matmul import matmul  # noqa: E402
+from minipar.kernels.flash_attention import attention_backward, attention_forward  # noqa: E402
+from minipar.kernels.matmul import matmul  # noqa: E402
 
 rng = np.random.default_rng(0)
 

@@ -27,7 +27,7 @@ import numpy as np
 from minipar import ops
 from minipar.autograd import Tensor, no_grad
 from minipar.backend import resolve_dtype, to_device, to_host, xp
-from minipar.checkpoint import read_safetensors, write_safetensors
+from minipar.safetensors_io import DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, write_hf_weights
 from minipar.nn import Embedding, LayerNorm, Linear, Module, ModuleList
 
 
@@ -40,6 +40,8 @@ class GPTConfig:
     n_embd: int = 128
     layer_norm_epsilon: float = 1e-5
     dtype: str = "float32"
+    scale_attn_weights: bool = True  # attention scores q·kᵀ / √head_dim (False: unscaled)
+    scale_attn_by_inverse_layer_idx: bool = False  # and / (layer index + 1)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -53,6 +55,11 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    def attention_scale(self, layer: int) -> float:
+        """The factor on layer ``layer``'s attention scores, as Hugging Face's GPT-2 computes it."""
+        scale = 1.0 / math.sqrt(self.head_dim) if self.scale_attn_weights else 1.0
+        return scale / (layer + 1) if self.scale_attn_by_inverse_layer_idx else scale
+
     def num_parameters(self, layers: int | None = None, embeddings: bool = True, final_norm: bool = True) -> int:
         """Parameter count: 12C² + 13C per block, V·C + T·C for the embeddings (the head is tied), 2C for ln_f."""
         C = self.n_embd
@@ -61,13 +68,14 @@ class GPTConfig:
 
 
 class CausalSelfAttention(Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int):
         self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, dtype=cfg.dtype)
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, dtype=cfg.dtype)
         self.n_head = cfg.n_head
+        self.scale = cfg.attention_scale(layer)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.c_proj(ops.causal_self_attention(self.c_attn(x), self.n_head))
+        return self.c_proj(ops.causal_self_attention(self.c_attn(x), self.n_head, self.scale))
 
 
 class MLP(Module):
@@ -80,9 +88,9 @@ class MLP(Module):
 
 
 class Block(Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int):
         self.ln_1 = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, layer)
         self.ln_2 = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
         self.mlp = MLP(cfg)
 
@@ -95,7 +103,7 @@ class Transformer(Module):
     def __init__(self, cfg: GPTConfig):
         self.wte = Embedding(cfg.vocab_size, cfg.n_embd, dtype=cfg.dtype)
         self.wpe = Embedding(cfg.block_size, cfg.n_embd, dtype=cfg.dtype)
-        self.h = ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.h = ModuleList([Block(cfg, layer) for layer in range(cfg.n_layer)])
         self.ln_f = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
 
 
@@ -154,24 +162,29 @@ class GPT(Module):
     # ---- Hugging Face checkpoints ----
     @classmethod
     def from_hf(cls, directory: str, dtype: str | None = None) -> GPT:
-        """Load ``config.json`` + ``model.safetensors`` written by transformers (GPT2LMHeadModel) or :meth:`save_hf`."""
-        cfg = hf_config(directory, dtype)
-        tensors, _ = read_safetensors(os.path.join(directory, "model.safetensors"))
+        """Load a directory written by transformers (GPT2LMHeadModel.save_pretrained) or :meth:`save_hf`:
+        ``config.json`` and ``model.safetensors`` or its shards with ``model.safetensors.index.json``."""
+        cfg, tied = hf_config(directory, dtype), _hf_ties_embeddings(directory)
         state = {}
-        for key, value in tensors.items():
+        for key, value in read_hf_weights(directory).items():
             name = key if key.startswith("transformer.") or key == "lm_head.weight" else f"transformer.{key}"
             if name.endswith((".attn.bias", ".attn.masked_bias")):
                 continue  # GPT-2's stored causal-mask buffers, not parameters
             state[name] = value
         lm_head = state.pop("lm_head.weight", None)
+        if not tied and lm_head is None:
+            raise ValueError(f"{directory}: tie_word_embeddings is false but there is no lm_head.weight")
         if lm_head is not None and not np.array_equal(lm_head, state.get("transformer.wte.weight")):
-            raise ValueError("lm_head.weight differs from transformer.wte.weight: minipar's GPT ties them")
+            raise ValueError(f"{directory}: tie_word_embeddings=false with an lm_head.weight that differs from "
+                             "transformer.wte.weight is unsupported: minipar's GPT ties its head to the embedding")
         model = cls(cfg)
         model.load_state_dict(state)
         return model
 
-    def save_hf(self, directory: str, state: dict[str, np.ndarray] | None = None) -> None:
-        """Write ``config.json`` + ``model.safetensors`` that ``GPT2LMHeadModel.from_pretrained`` loads.
+    def save_hf(self, directory: str, state: dict[str, np.ndarray] | None = None,
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+        """Write ``config.json`` + ``model.safetensors`` (sharded above ``max_shard_bytes``, with the index)
+        that ``GPT2LMHeadModel.from_pretrained`` loads.
 
         ``state`` (default: this model's ``state_dict()``) lets a sharded run save the parameters it gathered.
         """
@@ -183,34 +196,91 @@ class GPT(Module):
             "n_embd": cfg.n_embd, "n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_inner": None,
             "activation_function": "gelu_new", "layer_norm_epsilon": cfg.layer_norm_epsilon,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "initializer_range": 0.02,
-            "scale_attn_weights": True, "tie_word_embeddings": True,
+            "scale_attn_weights": cfg.scale_attn_weights,
+            "scale_attn_by_inverse_layer_idx": cfg.scale_attn_by_inverse_layer_idx,
+            "reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": True,
             "bos_token_id": cfg.vocab_size - 1, "eos_token_id": cfg.vocab_size - 1,
-            "torch_dtype": cfg.dtype, "minipar": asdict(cfg),
+            "dtype": cfg.dtype, "torch_dtype": cfg.dtype, "minipar": asdict(cfg),
         }
-        write_safetensors(os.path.join(directory, "model.safetensors"), state if state is not None else self.state_dict())
-        tmp = os.path.join(directory, f"config.json.tmp-{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump(hf, f, indent=2)
-        os.replace(tmp, os.path.join(directory, "config.json"))
+        write_hf_weights(directory, state if state is not None else self.state_dict(), max_shard_bytes)
+        atomic_write(os.path.join(directory, "config.json"), [json.dumps(hf, indent=2).encode()])
 
 
-def hf_config(directory: str, dtype: str | None = None) -> GPTConfig:
-    """The GPTConfig of a Hugging Face GPT-2 checkpoint directory (checked for what minipar supports)."""
+# Every GPT2Config field, and what minipar does with it. A field is implemented (it shapes GPTConfig),
+# refused unless it has the value minipar computes, or has no effect on the function the weights compute.
+_HF_IMPLEMENTED = {"vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "layer_norm_epsilon",
+                   "scale_attn_weights", "scale_attn_by_inverse_layer_idx", "dtype", "torch_dtype",
+                   "tie_word_embeddings"}  # tie_word_embeddings: checked against the weights in from_hf
+_HF_REQUIRED_VALUE = {  # field: (accepted values, what minipar implements instead)
+    "model_type": (("gpt2",), "minipar loads GPT-2 checkpoints"),
+    "activation_function": (("gelu_new", "gelu_pytorch_tanh"), "minipar implements GPT-2's tanh GELU"),
+    "add_cross_attention": ((False,), "minipar's GPT is decoder-only, with no encoder to attend to"),
+    "is_encoder_decoder": ((False,), "minipar's GPT is decoder-only"),
+    "pruned_heads": (({},), "every layer has n_head heads in minipar"),
+}
+# reorder_and_upcast_attn only reorders the scaling and upcasts to float32 for half-precision weights: the
+# same function (minipar computes attention in float32 or float64). Dropout is a training-time regularizer:
+# the loaded model is the deterministic (evaluation-mode) function, and minipar trains without dropout.
+# summary_* configure GPT2DoubleHeadsModel's classification head, which GPT2LMHeadModel does not have;
+# n_ctx is a legacy alias that transformers ignores (n_positions sizes the position table); the rest are
+# initialization, generation and bookkeeping settings.
+_HF_NO_EFFECT = {"reorder_and_upcast_attn", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_type",
+                 "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout", "n_ctx",
+                 "initializer_range", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "architectures",
+                 "transformers_version", "task_specific_params", "minipar"}
+# transformers' generic PretrainedConfig keys (outputs, labels, generation defaults, bookkeeping) that
+# older or fine-tuned GPT-2 checkpoints carry; none changes what GPT2LMHeadModel computes from a prompt.
+_HF_GENERIC = {"_name_or_path", "_num_labels", "num_labels", "id2label", "label2id", "problem_type", "finetuning_task",
+               "tokenizer_class", "prefix", "sep_token_id", "decoder_start_token_id", "output_attentions",
+               "output_hidden_states", "output_past", "return_dict", "torchscript", "use_bfloat16", "tf_legacy_loss",
+               "is_decoder", "tie_encoder_decoder", "chunk_size_feed_forward", "cross_attention_hidden_size",
+               "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups",
+               "diversity_penalty", "temperature", "top_k", "top_p", "typical_p", "repetition_penalty",
+               "length_penalty", "no_repeat_ngram_size", "encoder_no_repeat_ngram_size", "bad_words_ids",
+               "num_return_sequences", "output_scores", "return_dict_in_generate", "forced_bos_token_id",
+               "forced_eos_token_id", "remove_invalid_values", "exponential_decay_length_penalty",
+               "suppress_tokens", "begin_suppress_tokens"}
+
+
+def _read_hf_config(directory: str) -> tuple[str, dict[str, Any]]:
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{directory}: no config.json (expected a Hugging Face GPT-2 checkpoint directory)")
-    with open(path) as f:
-        hf = json.load(f)
-    if hf.get("model_type", "gpt2") != "gpt2":
-        raise ValueError(f"{path}: model_type {hf.get('model_type')!r} is not gpt2")
-    act = hf.get("activation_function", "gelu_new")
-    if act not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise ValueError(f"{path}: activation {act!r} unsupported (minipar implements GPT-2's tanh GELU)")
-    if hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
-        raise ValueError(f"{path}: n_inner={hf['n_inner']} unsupported (minipar's MLP is 4·n_embd wide)")
-    if hf.get("scale_attn_by_inverse_layer_idx") or hf.get("reorder_and_upcast_attn"):
-        raise ValueError(f"{path}: scale_attn_by_inverse_layer_idx / reorder_and_upcast_attn are unsupported")
-    saved_dtype = hf.get("minipar", {}).get("dtype") or {"float64": "float64"}.get(hf.get("torch_dtype"), "float32")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return path, json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
+
+def _hf_ties_embeddings(directory: str) -> bool:
+    return bool(_read_hf_config(directory)[1].get("tie_word_embeddings", True))
+
+
+def hf_config(directory: str, dtype: str | None = None) -> GPTConfig:
+    """The GPTConfig of a Hugging Face GPT-2 checkpoint directory: every field implemented or refused.
+
+    The stored dtype is ``dtype`` (transformers 5) or ``torch_dtype`` (earlier): float64 stays float64,
+    anything else loads as float32 (float16/bfloat16 weights are widened).
+    """
+    path, hf = _read_hf_config(directory)
+    for field, (accepted, why) in _HF_REQUIRED_VALUE.items():
+        value = hf.get(field, accepted[0])
+        if value not in accepted:
+            raise ValueError(f"{path}: {field}={value!r} is unsupported ({why})")
+    n_inner = hf.get("n_inner")
+    if n_inner not in (None, 4 * hf.get("n_embd", 0)):
+        raise ValueError(f"{path}: n_inner={n_inner} is unsupported (minipar's MLP is 4·n_embd wide)")
+    unknown = sorted(set(hf) - _HF_IMPLEMENTED - set(_HF_REQUIRED_VALUE) - _HF_NO_EFFECT - _HF_GENERIC - {"n_inner"})
+    if unknown:
+        raise ValueError(f"{path}: config field {unknown[0]!r} is not a GPT-2 field minipar knows; refusing to "
+                         "guess what it changes")
+    missing = [f for f in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head") if f not in hf]
+    if missing:
+        raise ValueError(f"{path}: missing required field {missing[0]!r}")
+    stored = hf.get("minipar", {}).get("dtype") or hf.get("dtype") or hf.get("torch_dtype")
     return GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
-                     n_head=hf["n_head"], n_embd=hf["n_embd"],
-                     layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5), dtype=dtype or saved_dtype)
+                     n_head=hf["n_head"], n_embd=hf["n_embd"], layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+                     dtype=dtype or ("float64" if stored == "float64" else "float32"),
+                     scale_attn_weights=bool(hf.get("scale_attn_weights", True)),
+                     scale_attn_by_inverse_layer_idx=bool(hf.get("scale_attn_by_inverse_layer_idx", False)))

@@ -39,6 +39,7 @@ from minipar.backend import to_device, to_host
 from minipar.comm import Communicator
 from minipar.models.gpt import GPT
 from minipar.nn import ModuleList
+from minipar.safetensors_io import decode_safetensors, encode_safetensors
 
 SCHEDULES = ("1f1b", "gpipe")
 _TIED_WEIGHTS_TAG, _TIED_GRAD_TAG, _EVAL_TAG = 60000, 60001, 60002
@@ -221,8 +222,6 @@ class Pipeline:
 
 def stage_state(local: dict[str, np.ndarray], comm: Communicator) -> dict[str, np.ndarray]:
     """Every stage's parameters by name, on every rank of the pipeline group (stages hold disjoint names)."""
-    from minipar.checkpoint import decode_safetensors, encode_safetensors
-
     blob = b"".join(encode_safetensors({k: to_host(v) for k, v in local.items()}))
     merged = {}
     for stage_blob in comm.all_gather_bytes(blob, label="checkpoint"):

@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from minipar.safetensors_io import atomic_write
+
 
 @dataclass
 class Link:
@@ -74,8 +76,6 @@ class Profile:
         return Link(self.alpha_by_group.get(str(group), base.alpha), base.beta)
 
     def save(self, path: str) -> None:
-        from minipar.checkpoint import atomic_write
-
         atomic_write(path, [json.dumps(dataclasses.asdict(self), indent=1).encode()])
 
     @classmethod

@@ -1,0 +1,195 @@
+"""Hugging Face interop: GPT-2's BPE against the `tokenizers` package, every config field honored or
+refused, dtypes, sharded weight directories and strict safetensors parsing."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from minipar.data import BPETokenizer, default_corpus
+from minipar.models.gpt import GPT, GPTConfig, hf_config
+from minipar.safetensors_io import INDEX_NAME, WEIGHTS_NAME, encode_safetensors, read_hf_weights, read_safetensors
+
+TINY = dict(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, dtype="float64")
+
+SAMPLES = [
+    "a_b __init__ self._x = 1_000",                     # underscores (the old pattern deleted them)
+    "def f(x):\n\tif x² > ½: return Ⅻ  # ok\n\n",       # number characters that are not digits
+    "ctrl \x1c\x1d\x1e\x1f end\x00\x07",                # control characters (not whitespace in GPT-2)
+    "naïve café — 東京 🙂 مرحبا Ωμέγα",                 # letters of many scripts, emoji
+    "I'm we'll they'd it's  spaces   \n  trailing  ",   # contractions, whitespace runs
+    "3.14159 1e-9 0x1F 42nd ٣٤",                         # numbers, Arabic-Indic digits
+]
+
+
+@pytest.fixture(scope="module")
+def trained_bpe(tmp_path_factory):
+    """A byte-level BPE trained by `tokenizers` on a slice of the default corpus, saved as vocab.json + merges.txt."""
+    tokenizers = pytest.importorskip("tokenizers", reason="the BPE reference needs `pip install minipar[test]`")
+    directory = tmp_path_factory.mktemp("bpe")
+    reference = tokenizers.ByteLevelBPETokenizer(add_prefix_space=False)
+    text = default_corpus()[:200_000].decode("utf-8", errors="replace")
+    reference.train_from_iterator([text, *SAMPLES], vocab_size=600, min_frequency=2, show_progress=False)
+    reference.save_model(str(directory))
+    return str(directory), reference
+
+
+def test_bpe_matches_tokenizers_reference(trained_bpe):
+    directory, reference = trained_bpe
+    ours = BPETokenizer.from_dir(directory)
+    corpus_slice = default_corpus()[300_000:340_000].decode("utf-8", errors="replace")
+    for text in [*SAMPLES, corpus_slice]:
+        ids = ours.encode(text)
+        assert ids.tolist() == reference.encode(text).ids, repr(text[:60])
+        assert ours.decode(ids) == text
+
+
+def test_bpe_keeps_every_underscore(trained_bpe):
+    ours = BPETokenizer.from_dir(trained_bpe[0])
+    code = default_corpus()[:125_000].decode("utf-8", errors="replace")
+    assert ours.decode(ours.encode(code)) == code
+    assert ours.decode(ours.encode("a_b __init__")) == "a_b __init__"
+
+
+def _edit_config(directory, **changes):
+    path = os.path.join(directory, "config.json")
+    cfg = json.load(open(path))
+    for key, value in changes.items():
+        if value is ...:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    json.dump(cfg, open(path, "w"))
+
+
+def _scaled_queries(model, factor_of_layer):
+    """A copy of ``model``'s weights with layer i's query columns multiplied by factor_of_layer(i)."""
+    state = {k: v.copy() for k, v in model.state_dict().items()}
+    C = model.config.n_embd
+    for i in range(model.config.n_layer):
+        state[f"transformer.h.{i}.attn.c_attn.weight"][:, :C] *= factor_of_layer(i)
+        state[f"transformer.h.{i}.attn.c_attn.bias"][:C] *= factor_of_layer(i)
+    return state
+
+
+@pytest.mark.parametrize("field,factor", [("scale_attn_weights", lambda i, D: np.sqrt(D)),
+                                          ("scale_attn_by_inverse_layer_idx", lambda i, D: 1.0 / (i + 1))])
+def test_attention_scale_options_are_honored(tmp_path, field, factor):
+    """Unscaled scores with weights W = scaled scores with W's query columns times √D (and 1/(i+1) likewise):
+    the loaded model must compute exactly the first."""
+    model = GPT(GPTConfig(**TINY), seed=3)
+    model.save_hf(str(tmp_path))
+    _edit_config(str(tmp_path), **{field: field == "scale_attn_by_inverse_layer_idx"})
+    loaded = GPT.from_hf(str(tmp_path))
+    assert getattr(loaded.config, field) is (field == "scale_attn_by_inverse_layer_idx")
+    D = model.config.head_dim
+    reference = GPT(GPTConfig(**TINY))
+    reference.load_state_dict(_scaled_queries(model, lambda i: factor(i, D)))
+    idx = np.array([[1, 2, 3, 4, 5, 6, 7, 8]])
+    np.testing.assert_allclose(loaded(idx)[0].data, reference(idx)[0].data, rtol=1e-12, atol=1e-14)
+    assert not np.allclose(loaded(idx)[0].data, model(idx)[0].data)  # the option really changes the function
+    loaded.save_hf(str(tmp_path / "again"))  # and survives a round trip
+    assert getattr(hf_config(str(tmp_path / "again")), field) is (field == "scale_attn_by_inverse_layer_idx")
+
+
+@pytest.mark.parametrize("changes,message", [
+    (dict(activation_function="relu"), "activation_function='relu'"),
+    (dict(n_inner=100), "n_inner=100"),
+    (dict(add_cross_attention=True), "add_cross_attention"),
+    (dict(model_type="llama"), "model_type='llama'"),
+    (dict(rotary_dim=4), "'rotary_dim'"),
+    (dict(n_layer=...), "'n_layer'"),
+])
+def test_unsupported_config_fields_are_refused(tmp_path, changes, message):
+    GPT(GPTConfig(**TINY)).save_hf(str(tmp_path))
+    _edit_config(str(tmp_path), **changes)
+    with pytest.raises(ValueError, match=message):
+        GPT.from_hf(str(tmp_path))
+
+
+def test_hub_style_config_loads(tmp_path):
+    """The fields of the published gpt2 config.json (dropouts, summary_*, task_specific_params) load."""
+    GPT(GPTConfig(**TINY)).save_hf(str(tmp_path))
+    _edit_config(str(tmp_path), attn_pdrop=0.1, embd_pdrop=0.1, resid_pdrop=0.1, summary_type="cls_index",
+                 summary_use_proj=True, summary_activation=None, summary_proj_to_labels=True,
+                 summary_first_dropout=0.1, task_specific_params={"text-generation": {"max_length": 50}},
+                 minipar=..., dtype=..., torch_dtype=...)
+    assert hf_config(str(tmp_path)).dtype == "float32"
+
+
+def test_untied_head_is_refused_or_checked(tmp_path):
+    model = GPT(GPTConfig(**TINY), seed=1)
+    model.save_hf(str(tmp_path))
+    _edit_config(str(tmp_path), tie_word_embeddings=False)
+    with pytest.raises(ValueError, match="tie_word_embeddings is false but there is no lm_head"):
+        GPT.from_hf(str(tmp_path))
+    state = model.state_dict()
+    model.save_hf(str(tmp_path), {**state, "lm_head.weight": state["transformer.wte.weight"]})
+    _edit_config(str(tmp_path), tie_word_embeddings=False)
+    assert np.array_equal(GPT.from_hf(str(tmp_path)).transformer.wte.weight.data, state["transformer.wte.weight"])
+
+
+@pytest.mark.parametrize("key", ["dtype", "torch_dtype"])
+def test_float64_dtype_from_either_key(tmp_path, key):
+    """transformers 5 writes "dtype", earlier versions "torch_dtype"."""
+    GPT(GPTConfig(**TINY)).save_hf(str(tmp_path))
+    _edit_config(str(tmp_path), **{"minipar": ..., "dtype": ..., "torch_dtype": ..., key: "float64"})
+    loaded = GPT.from_hf(str(tmp_path))
+    assert loaded.config.dtype == "float64" and loaded.transformer.wte.weight.data.dtype == np.float64
+
+
+def test_sharded_save_and_load(tmp_path):
+    model = GPT(GPTConfig(**TINY), seed=2)
+    model.save_hf(str(tmp_path), max_shard_bytes=2000)
+    files = sorted(os.listdir(tmp_path))
+    shards = [f for f in files if f.startswith("model-")]
+    assert INDEX_NAME in files and WEIGHTS_NAME not in files and len(shards) > 2
+    index = json.load(open(tmp_path / INDEX_NAME))
+    assert set(index["weight_map"]) == set(model.state_dict()) and set(index["weight_map"].values()) == set(shards)
+    assert index["metadata"]["total_size"] == sum(a.nbytes for a in model.state_dict().values())
+    loaded = GPT.from_hf(str(tmp_path))
+    for name, value in model.state_dict().items():
+        np.testing.assert_array_equal(loaded.state_dict()[name], value)
+    model.save_hf(str(tmp_path))  # unsharded again: the old shards and index go
+    assert sorted(f for f in os.listdir(tmp_path) if "safetensors" in f) == [WEIGHTS_NAME]
+    model.save_hf(str(tmp_path), max_shard_bytes=2000)
+    os.remove(tmp_path / shards[0])
+    with pytest.raises(FileNotFoundError, match=f"lists {shards[0]}, which is missing"):
+        read_hf_weights(str(tmp_path))
+
+
+def _write(path, header, data):
+    head = json.dumps(header).encode()
+    path.write_bytes(len(head).to_bytes(8, "little") + head + data)
+
+
+def test_safetensors_refuses_inconsistent_files(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    _write(path, {"w": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8))
+    with pytest.raises(ValueError, match=r"bad.safetensors: tensor w is F32 \[3\] \(12 bytes\) but its data_offsets span 8"):
+        read_safetensors(str(path))
+    _write(path, {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, bytes(12))
+    with pytest.raises(ValueError, match="bad.safetensors: 4 trailing bytes after the last tensor"):
+        read_safetensors(str(path))
+    _write(path, {"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+                  "b": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}}, bytes(3))
+    with pytest.raises(ValueError, match="tensor b starts at byte 1"):
+        read_safetensors(str(path))
+    _write(path, {"w": {"dtype": "C64", "shape": [1], "data_offsets": [0, 8]}}, bytes(8))
+    with pytest.raises(ValueError, match="tensor w has unsupported dtype C64"):
+        read_safetensors(str(path))
+    path.write_bytes((4).to_bytes(8, "little") + b"{{{{")
+    with pytest.raises(ValueError, match="unreadable safetensors header"):
+        read_safetensors(str(path))
+    path.write_bytes(b"".join(encode_safetensors({"x": np.arange(3.0)})))  # and a good one still reads
+    np.testing.assert_array_equal(read_safetensors(str(path))[0]["x"], np.arange(3.0))
+
+
+def test_generate_keeps_a_float64_checkpoint_float64(tmp_path, capsys):
+    from minipar.__main__ import main
+
+    GPT(GPTConfig(**{**TINY, "vocab_size": 256}), seed=0).save_hf(str(tmp_path))
+    _edit_config(str(tmp_path), minipar=..., torch_dtype=...)
+    assert hf_config(str(tmp_path)).dtype == "float64"
+    assert main(["generate", "--ckpt", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("ab")
