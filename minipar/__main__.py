@@ -1,11 +1,24 @@
-"""``python -m minipar {train,generate,plan,trace-plot,plot,export} ...`` — run ``python -m minipar <command> --help`` for the flags."""
+"""``python -m minipar {train,generate,plan,trace-plot,plot,export} ...`` (or the ``minipar`` console script) — run
+``python -m minipar <command> --help`` for the flags.
+
+Failures under mpiexec. Any error on any rank ends the whole job within seconds. A rank that fails
+waits up to AGREE_SECONDS for the others in a barrier on a communicator of its own: if every rank
+fails at the same point (bad input, which every rank checks identically before communicating, or a
+diverged step, whose loss every rank shares), rank 0 prints the error once and all exit with 2.
+Otherwise the failing rank prints one line naming itself and calls MPI_Abort, which ends every rank.
+"""
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import os
+import subprocess
 import sys
+import time
+import traceback
+from typing import Any
 
+AGREE_SECONDS = 3.0
 
 
 def generate(args: argparse.Namespace) -> None:
@@ -14,7 +27,18 @@ def generate(args: argparse.Namespace) -> None:
     from minipar.models.gpt import GPT
 
     set_device(args.device)
-    model = GPT.from_hf(args.ckpt)
+    if os.path.isfile(os.path.join(args.ckpt, "config.json")):
+        model = GPT.from_hf(args.ckpt)
+    else:  # a training checkpoint (train --save): its newest complete step, merged from any layout
+        from minipar.checkpoint import load_checkpoint
+
+        try:
+            loaded = load_checkpoint(args.ckpt)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{args.ckpt}: no config.json (a Hugging Face GPT-2 directory) and no training "
+                                    "checkpoint (a train --save directory)") from None
+        model = GPT(loaded.config)
+        model.load_state_dict(loaded.params)
     tok = tokenizer_for(args.ckpt, model.config.vocab_size)
     prompt = tok.encode(args.prompt)
     if len(prompt) == 0:
@@ -70,9 +94,7 @@ def plan_command(args: argparse.Namespace) -> None:
         comm = Communicator()
         profile = planner.calibrate(comm)
         if comm.rank == 0:
-            path = args.profile or planner.default_profile_path(comm.size)
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            profile.save(path)
+            path = planner.save_calibration(profile, comm.size, args.profile)
             print(f"calibrated on {comm.size} rank(s): {profile.flops / 1e9:.1f} GFLOP/s GEMM, "
                   f"{profile.bandwidth / 1e9:.1f} GB/s, {profile.op_overhead * 1e6:.0f} µs framework time per layer, "
                   f"α = {profile.intra.alpha * 1e6:.1f} µs, 1/β = {1 / max(profile.intra.beta, 1e-30) / 1e9:.2f} GB/s -> {path}")
@@ -82,7 +104,7 @@ def plan_command(args: argparse.Namespace) -> None:
     else:
         L, H, C, T, V = args.n_layer, args.n_head, args.n_embd, args.block_size, 256
     cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C)
-    profile = planner.load_profile(args.profile, args.world)
+    profile = plan_profile(args)
     if args.memory_gb:
         profile = dataclasses.replace(profile, memory=args.memory_gb * 1e9)
     itemsize = planner.ITEMSIZE[args.dtype]
@@ -98,65 +120,142 @@ def plan_command(args: argparse.Namespace) -> None:
     print(planner.format_plan(predictions, args.top, flops))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from minipar.train import add_arguments
+def plan_profile(args: argparse.Namespace) -> Any:
+    """--profile, else this machine's calibration for --world ranks — measured now (mpiexec -n WORLD, a few
+    seconds) when missing and the world fits this machine; else the stated default, a100-80gb."""
+    from minipar.parallel import planner
+    from minipar.testing import RANK_ENV, mpiexec
 
-    parser = argparse.ArgumentParser(prog="python -m minipar", description=__doc__.split("—")[0].strip(" `"))
+    try:
+        return planner.load_profile(args.profile, args.world)
+    except FileNotFoundError:
+        if args.profile:
+            raise
+    if args.world > 4 * (os.cpu_count() or 1):
+        print(f"no profile given and {args.world} ranks is more than this machine can calibrate: "
+              f"using --profile a100-80gb", flush=True)
+        return planner.BUILTIN_PROFILES["a100-80gb"]
+    path = planner.default_profile_path(args.world)
+    print(f"no calibration of this machine for {args.world} rank(s) yet: measuring it "
+          f"(mpiexec -n {args.world} python -m minipar plan --calibrate) -> {path}", flush=True)
+    command = [mpiexec(), "-n", str(args.world), sys.executable, "-m", "minipar", "plan", "--calibrate", "--profile", path]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, **RANK_ENV})
+    if done.returncode:
+        raise RuntimeError(f"calibration failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
+    return planner.load_profile(path, args.world)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from minipar.train import HelpWithDefaults, add_arguments
+
+    parser = argparse.ArgumentParser(prog="python -m minipar", description=__doc__.split("(or")[0].strip(" `"))
     commands = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,plan,trace-plot,plot,export}")
-    train = commands.add_parser("train", help="train a GPT (single process or under mpiexec)",
+    train = commands.add_parser("train", help="train a GPT (single process or under mpiexec)", allow_abbrev=False,
+                                formatter_class=HelpWithDefaults,
                                 description="Train a GPT on the default corpus (this Python's standard library source) or --data.")
     add_arguments(train)
     gen = commands.add_parser("generate", help="sample text from a checkpoint",
-                              description="Sample text from a minipar or Hugging Face GPT-2 checkpoint directory.")
-    gen.add_argument("--ckpt", required=True, metavar="DIR", help="directory with config.json + model.safetensors")
-    gen.add_argument("--prompt", default="def ")
-    gen.add_argument("--max-new-tokens", type=int, default=200)
-    gen.add_argument("--temperature", type=float, default=0.8)
-    gen.add_argument("--top-k", type=int, default=40)
-    gen.add_argument("--num-samples", type=int, default=1)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+                              formatter_class=HelpWithDefaults,
+                              description="Sample text from a Hugging Face GPT-2 directory (train --out, export) or "
+                                          "a training checkpoint (train --save).")
+    gen.add_argument("--ckpt", required=True, metavar="DIR",
+                     help="config.json + model.safetensors, or a train --save directory")
+    gen.add_argument("--prompt", default="def ", help="text to continue")
+    gen.add_argument("--max-new-tokens", type=int, default=200, help="tokens to sample")
+    gen.add_argument("--temperature", type=float, default=0.8, help="softmax temperature")
+    gen.add_argument("--top-k", type=int, default=40, help="sample among the k most likely tokens")
+    gen.add_argument("--num-samples", type=int, default=1, help="independent samples")
+    gen.add_argument("--seed", type=int, default=0, help="sampling seed")
+    gen.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where to run")
     pl = commands.add_parser("plan", help="rank every parallel layout by predicted step time and memory",
+                             formatter_class=HelpWithDefaults,
                              description="Predict step time and memory of every dp·tp·pp·zero·microbatch layout "
                                          "from a hardware profile, and rank them (minipar/parallel/planner.py).")
     pl.add_argument("--world", type=int, default=4, help="number of devices (ranks)")
     pl.add_argument("--preset", choices=["gpt2-124m", "gpt3-175b"], help="a known model instead of the --n-* flags")
-    pl.add_argument("--n-layer", type=int, default=4)
-    pl.add_argument("--n-head", type=int, default=4)
-    pl.add_argument("--n-embd", type=int, default=128)
-    pl.add_argument("--block-size", type=int, default=128)
-    pl.add_argument("--batch-size", type=int, default=16)
-    pl.add_argument("--dtype", choices=["float64", "float32", "bfloat16", "float16"], default="float32")
-    pl.add_argument("--profile", help="a100-80gb, h100-80gb, or a profile JSON (default: this machine's calibration)")
+    pl.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    pl.add_argument("--n-head", type=int, default=4, help="attention heads")
+    pl.add_argument("--n-embd", type=int, default=128, help="model width")
+    pl.add_argument("--block-size", type=int, default=128, help="context length")
+    pl.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    pl.add_argument("--dtype", choices=["float64", "float32", "bfloat16", "float16"], default="float32",
+                    help="activation and message element type")
+    pl.add_argument("--profile", help="a100-80gb, h100-80gb, or a profile JSON (default: this machine's calibration "
+                                      "for --world ranks, measured on first use)")
     pl.add_argument("--memory-gb", type=float, help="override the profile's device memory")
     pl.add_argument("--recompute", action="store_true", help="also consider activation recomputation (what-if)")
     pl.add_argument("--layout", help="show only layouts matching e.g. dp=8,tp=8,pp=16")
-    pl.add_argument("--top", type=int, default=10)
+    pl.add_argument("--top", type=int, default=10, help="layouts to print")
     pl.add_argument("--calibrate", action="store_true",
                     help="measure this machine and save its profile (run under mpiexec -n WORLD)")
     tplot = commands.add_parser("trace-plot", help="draw a --trace timeline (text, and a PNG with -o)",
                                 description="Draw the per-rank timeline written by train --trace.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpWithDefaults)
     tplot.add_argument("trace", metavar="TRACE.json")
     tplot.add_argument("-o", metavar="OUT.png", help="also draw it as a picture (needs: pip install 'minipar[plot]')")
     tplot.add_argument("--width", type=int, default=100, help="columns of the text chart")
     lplot = commands.add_parser("plot", help="draw loss curves of one or more runs (text, and a PNG with -o)",
                                 description="Draw the training and validation loss of runs recorded with "
                                             "train --json > RUN.jsonl (or --log-file RUN.jsonl), on one chart.",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpWithDefaults)
     lplot.add_argument("runs", nargs="+", metavar="RUN.jsonl")
     lplot.add_argument("-o", metavar="OUT.png", help="also draw it as a picture (needs: pip install 'minipar[plot]')")
     lplot.add_argument("--width", type=int, default=72, help="columns of the text chart")
     exp = commands.add_parser("export", help="write a sharded checkpoint as one Hugging Face GPT-2 directory",
+                              formatter_class=HelpWithDefaults,
                               description="Merge a checkpoint saved by train --save (any dp/tp/pp/zero layout) into "
                                           "config.json + model.safetensors.")
     exp.add_argument("--ckpt", required=True, metavar="DIR", help="the --save directory, or one step_NNNNNN in it")
-    exp.add_argument("--out", required=True, metavar="DIR")
+    exp.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face directory to write")
     return parser
 
 
+def explicit_flags(argv: list[str]) -> set[str]:
+    """The destinations of the long options written on the command line (abbreviations are disabled)."""
+    return {token[2:].split("=", 1)[0].replace("-", "_") for token in argv if token.startswith("--")}
+
+
+def parallel_world() -> Any:
+    """Under mpiexec with more than one rank: a private duplicate of COMM_WORLD for agreeing on failures
+    (made before any other communication, so it cannot be confused with the job's own); else None."""
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Dup() if MPI.COMM_WORLD.Get_size() > 1 else None
+
+
+def fail(command: str, error: BaseException, agree: Any) -> int:
+    """Report ``error`` once and end this rank's part of the job (see the module docstring)."""
+    message = str(error) if isinstance(error, (ValueError, OSError, RuntimeError, KeyError)) else \
+        f"{type(error).__name__}: {error}\n{traceback.format_exc()}"
+    if agree is None:
+        print(f"minipar {command}: error: {message}", file=sys.stderr, flush=True)
+        return 2
+    barrier, deadline = agree.Ibarrier(), time.monotonic() + AGREE_SECONDS
+    while not barrier.Test():
+        if time.monotonic() > deadline:
+            print(f"minipar {command}: error on rank {agree.Get_rank()} of {agree.Get_size()}: {message}",
+                  file=sys.stderr, flush=True)
+            from mpi4py import MPI
+
+            time.sleep(0.5)  # let mpiexec forward the line: MPI_Abort's kill can overtake the rank's output
+            MPI.COMM_WORLD.Abort(2)
+        time.sleep(0.005)
+    messages = agree.gather(message, root=0)  # every rank failed here: rank 0 speaks for all
+    if agree.Get_rank() == 0:
+        distinct = list(dict.fromkeys(messages))
+        if len(distinct) == 1:
+            print(f"minipar {command}: error: {message}", file=sys.stderr, flush=True)
+        else:
+            for rank, text in enumerate(messages):
+                print(f"minipar {command}: error on rank {rank}: {text}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
+    args.explicit = explicit_flags(argv)
+    agree = parallel_world() if args.command in ("train", "plan") else None
     try:
         if args.command == "train":
             from minipar.train import train
@@ -165,12 +264,17 @@ def main(argv: list[str] | None = None) -> int:
         else:
             {"generate": generate, "plan": plan_command, "trace-plot": trace_plot, "plot": plot_command,
              "export": export}[args.command](args)
-    except (ValueError, FileNotFoundError, KeyError, RuntimeError, OSError) as e:
-        print(f"minipar {args.command}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 (whatever failed, no rank may be left waiting)
+        from minipar.train import Preempted
+
+        if isinstance(e, Preempted):
+            return 143  # 128 + SIGTERM: stopped on request, after checkpointing
+        if agree is None and not isinstance(e, (ValueError, OSError, RuntimeError, KeyError)):
+            raise  # a bug in a single process: the full traceback
+        return fail(args.command, e, agree)
     return 0
 
 

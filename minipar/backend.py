@@ -149,6 +149,21 @@ def device() -> str:
     return "cpu" if _active is numpy else "gpu"
 
 
+def memory_available() -> float:
+    """Bytes a new allocation could still get on the active device: the GPU's free memory, or the host's
+    MemAvailable (what the kernel could hand out without swapping), else its physical memory."""
+    if _active is not numpy:
+        return float(_active.cuda.Device().mem_info[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
 def on_gpu(a: Any) -> bool:
     """True when ``a`` is a cupy array (it has a CUDA ``device`` and is not a numpy array)."""
     return not isinstance(a, numpy.ndarray) and hasattr(a, "__cuda_array_interface__")

@@ -6,9 +6,11 @@ format itself lives below everything, in :mod:`minipar.safetensors_io`.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
 import json
 import os
+import shutil
 from typing import Any
 
 import numpy as np
@@ -24,7 +26,8 @@ from minipar.safetensors_io import atomic_write, decode_safetensors, encode_safe
 #   ...                                   Adam moments ("param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>"),
 #   DIR/step_000010/manifest.json         whole over ZeRO shards, sliced as that tp rank holds them.
 #   DIR/latest                            The manifest (size + sha256 of every file) is written last, then
-#                                         `latest`: a step without a manifest is an interrupted save.
+#                                         `latest` (for people and scripts): a step without a manifest is an
+#                                         interrupted save. Loading a DIR takes its newest complete step.
 #
 # Loading merges the slices into full tensors, so a checkpoint restarts in any dp/tp/pp/zero layout.
 
@@ -42,6 +45,7 @@ class Checkpoint:
     params: dict[str, np.ndarray]
     exp_avg: dict[str, np.ndarray]
     exp_avg_sq: dict[str, np.ndarray]
+    skipped: list[str] = dataclasses.field(default_factory=list)  # damaged newer checkpoints passed over
 
     @property
     def layout_name(self) -> str:
@@ -77,41 +81,82 @@ def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]
         atomic_write(os.path.join(step_dir, "manifest.json"), [json.dumps(manifest, indent=1).encode()])
         atomic_write(os.path.join(root, "latest"), [f"step_{step:06d}\n".encode()])
     world.barrier()
+    if world.rank == 0:  # every rank has written: temporaries left here by a killed earlier run can go
+        for folder in (root, step_dir):
+            for stale in glob.glob(os.path.join(glob.escape(folder), "*.tmp-*")):
+                os.remove(stale)
     return step_dir
 
 
-def _resolve(path: str) -> str:
-    if os.path.isfile(os.path.join(path, "manifest.json")):
-        return path
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            return os.path.join(path, f.read().strip())
-    if os.path.isdir(path) and os.path.basename(os.path.normpath(path)).startswith("step_"):
-        raise FileNotFoundError(f"{path}: incomplete checkpoint (no manifest.json): its save was interrupted")
-    raise FileNotFoundError(f"{path}: no checkpoint here (expected DIR/latest or DIR/step_NNNNNN/manifest.json)")
+def step_dirs(root: str) -> list[str]:
+    """The ``step_NNNNNN`` directories under ``root``, newest first (complete or not)."""
+    if not os.path.isdir(root):
+        return []
+    names = [n for n in os.listdir(root) if n.startswith("step_") and n[5:].isdigit()]
+    return [os.path.join(root, n) for n in sorted(names, key=lambda n: int(n[5:]), reverse=True)]
+
+
+def _candidates(path: str) -> tuple[list[str], bool]:
+    """(step directories to try in order, whether ``path`` named one step explicitly).
+
+    A ``--save`` root is scanned newest first: a step directory is complete once its manifest exists
+    (it is written after every shard), so ``latest`` is not needed to find the newest one."""
+    name = os.path.basename(os.path.normpath(path))
+    if name.startswith("step_") and os.path.isdir(path):
+        return [path], True
+    found = step_dirs(path)
+    if not found:
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path}: no such checkpoint directory")
+        raise FileNotFoundError(f"{path}: no checkpoint here (expected DIR/step_NNNNNN/manifest.json)")
+    return found, False
 
 
 def load_checkpoint(path: str) -> Checkpoint:
-    """Read, verify (presence, size, sha256 of every shard) and merge a checkpoint into full tensors."""
-    step_dir = _resolve(path)
-    with open(os.path.join(step_dir, "manifest.json")) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{step_dir}: not a {CHECKPOINT_FORMAT} checkpoint (format {manifest.get('format')!r})")
-    layout, config = manifest["layout"], GPTConfig(**manifest["config"])
+    """Read, verify (presence, size, sha256 of every shard) and merge a checkpoint into full tensors.
+
+    ``path`` is a ``--save`` directory (its newest complete checkpoint is loaded; damaged or interrupted
+    ones are skipped and listed in ``Checkpoint.skipped``) or one ``step_NNNNNN`` directory (loaded or refused).
+    """
+    candidates, explicit = _candidates(path)
+    skipped = []
+    for step_dir in candidates:
+        try:
+            checkpoint = _load_step(step_dir)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            if explicit:
+                raise
+            skipped.append(f"{step_dir} ({e})")
+            continue
+        checkpoint.skipped = skipped
+        return checkpoint
+    raise FileNotFoundError(f"{path}: no complete checkpoint; " + "; ".join(skipped))
+
+
+def _load_step(step_dir: str) -> Checkpoint:
+    manifest_path = os.path.join(step_dir, "manifest.json")
+    if not os.path.isfile(manifest_path):
+        raise FileNotFoundError(f"{manifest_path} is missing: the save was interrupted")
+    try:
+        with open(manifest_path, encoding="utf-8") as f:
+            manifest = json.load(f)
+        if manifest.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"not a {CHECKPOINT_FORMAT} checkpoint (format {manifest.get('format')!r})")
+        layout, config = manifest["layout"], GPTConfig(**manifest["config"])
+        step, optimizer_step, entries = int(manifest["step"]), int(manifest["optimizer_step"]), manifest["files"]
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{manifest_path}: unreadable ({type(e).__name__}: {e})") from None
     by_position = {}
-    for entry in manifest["files"]:
+    for entry in entries:
         file = os.path.join(step_dir, entry["file"])
         if not os.path.isfile(file):
-            raise FileNotFoundError(f"checkpoint {step_dir}: shard {entry['file']} is missing")
+            raise FileNotFoundError(f"{file} is missing")
         with open(file, "rb") as f:
             blob = f.read()
         if len(blob) != entry["bytes"]:
-            raise ValueError(f"checkpoint {step_dir}: shard {entry['file']} has {len(blob)} bytes, "
-                             f"the manifest says {entry['bytes']} (truncated?)")
+            raise ValueError(f"{file} has {len(blob)} bytes, {manifest_path} says {entry['bytes']} (truncated?)")
         if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
-            raise ValueError(f"checkpoint {step_dir}: shard {entry['file']} is corrupted (sha256 mismatch)")
+            raise ValueError(f"{file} is corrupted (sha256 differs from {manifest_path})")
         by_position[(entry["pp_rank"], entry["tp_rank"])] = decode_safetensors(blob, file)[0]
     expected = {(p, t) for p in range(layout["pp"]) for t in range(layout["tp"])}
     if set(by_position) != expected:
@@ -123,5 +168,17 @@ def load_checkpoint(path: str) -> Checkpoint:
             slices = [{k[len(prefix):]: v for k, v in by_position[(stage, t)].items() if k.startswith(prefix)}
                       for t in range(layout["tp"])]
             full[kind].update(merge_state_dicts(slices, config) if layout["tp"] > 1 else slices[0])
-    return Checkpoint(step_dir, manifest["step"], manifest["optimizer_step"], config, layout,
-                      full["param"], full["exp_avg"], full["exp_avg_sq"])
+    return Checkpoint(step_dir, step, optimizer_step, config, layout, full["param"], full["exp_avg"], full["exp_avg_sq"])
+
+
+def prune_checkpoints(root: str, keep_last: int) -> list[str]:
+    """Delete all but the newest ``keep_last`` complete checkpoints under ``root`` (0: keep all), and any
+    interrupted one older than the newest complete; returns what was deleted. Run by one rank, after a save."""
+    complete = [d for d in step_dirs(root) if os.path.isfile(os.path.join(d, "manifest.json"))]
+    if not keep_last or not complete:
+        return []
+    newest = int(os.path.basename(complete[0])[5:])
+    doomed = complete[keep_last:] + [d for d in step_dirs(root) if d not in complete and int(os.path.basename(d)[5:]) < newest]
+    for directory in doomed:
+        shutil.rmtree(directory)
+    return doomed

@@ -125,6 +125,8 @@ def load_tokens(path: str | None = None) -> np.ndarray:
     if path is None:
         raw = default_corpus()
     else:
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"--data {path} is a directory: pass one text file")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"data file not found: {path}")
         with open(path, "rb") as f:

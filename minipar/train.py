@@ -14,14 +14,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
+import os
+import signal
+import sys
 import time
 from typing import Any
 
 import numpy as np
 
 from minipar import trace
-from minipar.backend import KERNEL_MODES, set_device, set_kernels, xp
-from minipar.checkpoint import Checkpoint, load_checkpoint, save_checkpoint
+from minipar.backend import KERNEL_MODES, memory_available, set_device, set_kernels, xp
+from minipar.checkpoint import Checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from minipar.comm import Communicator
 from minipar.data import Batches, load_tokens, shard_rows, split_tokens
 from minipar.models.gpt import GPT, GPTConfig, hf_config
@@ -37,41 +41,56 @@ from minipar.parallel.tensor_parallel import (check_tensor_parallel, gather_tens
 from minipar.parallel.zero import ZeRO
 
 
+class HelpWithDefaults(argparse.HelpFormatter):
+    """``--help`` shows each option's default (except unset options and switches)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not unset and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model")
-    model.add_argument("--n-layer", type=int, default=4)
-    model.add_argument("--n-head", type=int, default=4)
-    model.add_argument("--n-embd", type=int, default=128)
+    model.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    model.add_argument("--n-head", type=int, default=4, help="attention heads")
+    model.add_argument("--n-embd", type=int, default=128, help="model width C")
     model.add_argument("--block-size", type=int, default=128, help="context length T")
     model.add_argument("--init-from", metavar="DIR", help="start from a Hugging Face GPT-2 checkpoint directory")
 
     run = p.add_argument_group("optimization")
-    run.add_argument("--steps", type=int, default=300)
+    run.add_argument("--steps", type=int, default=300, help="optimizer steps")
     run.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     run.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation steps per optimizer step")
     run.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    run.add_argument("--min-lr", type=float, default=2e-4)
+    run.add_argument("--min-lr", type=float, default=2e-4, help="learning rate at the end of the cosine decay")
     run.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
-    run.add_argument("--weight-decay", type=float, default=0.1)
+    run.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (matrices only)")
     run.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    run.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="parameters and activations")
+    run.add_argument("--seed", type=int, default=0, help="initialization and data order")
 
     io = p.add_argument_group("data and output")
     io.add_argument("--data", metavar="PATH", help="any text file (default: this Python's standard-library source)")
-    io.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
+    io.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="numpy or cupy arrays")
     io.add_argument("--kernels", choices=list(KERNEL_MODES), default="auto",
                     help="Triton kernels for matmul/attention: auto = on the GPU only")
     io.add_argument("--eval-interval", type=int, default=100, help="validation loss every N steps (0: never)")
-    io.add_argument("--eval-batches", type=int, default=4)
+    io.add_argument("--eval-batches", type=int, default=4, help="batches per validation loss")
     io.add_argument("--out", metavar="DIR", help="save the final model here (Hugging Face format)")
     io.add_argument("--save", metavar="DIR", help="write sharded training checkpoints (parameters + AdamW) here")
     io.add_argument("--save-interval", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    io.add_argument("--keep-last", type=int, default=0, metavar="N",
+                    help="keep only the newest N checkpoints under --save (0: keep all)")
     io.add_argument("--resume", metavar="DIR", help="continue from a --save checkpoint (any parallel layout)")
     io.add_argument("--json", action="store_true", help="one JSON object per step instead of a text line")
+    io.add_argument("--log-interval", type=int, default=1, metavar="N", help="print progress every N steps")
+    io.add_argument("--log-file", metavar="RUN.jsonl", help="also write every step's JSON record to this file")
 
     par = p.add_argument_group("parallelism")
-    par.add_argument("--dp", type=int, default=1, help="data-parallel degree")
+    par.add_argument("--dp", type=int, help="data-parallel degree (default: world size / (tp·pp))")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     par.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     par.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="pipeline schedule (with --pp)")
@@ -80,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--compression", choices=list(COMPRESSIONS), default="none",
                      help="compress data-parallel gradients (with --dp, --zero 0)")
     par.add_argument("--topk-ratio", type=float, default=0.01, help="share of entries top-k compression sends")
-    par.add_argument("--powersgd-rank", type=int, default=4)
+    par.add_argument("--powersgd-rank", type=int, default=4, help="rank of PowerSGD's low-rank factors")
     par.add_argument("--local-sgd", type=int, default=0, metavar="H",
                      help="local SGD / DiLoCo: average the replicas every H steps instead of the gradients every step")
     par.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo outer learning rate (1 + momentum 0: averaging)")
@@ -93,13 +112,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
-    """--auto: rank 0 plans (calibrating this machine if it has no profile yet); every rank takes its choice."""
+    """--auto: rank 0 plans (calibrating this machine if it has no profile yet, and saving that calibration
+    for the next run and for ``plan``); every rank takes its choice."""
     try:
         profile = planner.load_profile(args.profile, world.size)
     except FileNotFoundError:
         if args.profile:
             raise
         profile = planner.calibrate(world)  # every rank measures; rank 0's numbers decide
+        if world.rank == 0:
+            path = planner.save_calibration(profile, world.size)
+            if not args.json:
+                print(f"auto: calibrated this machine for {world.size} rank(s) -> {path}", flush=True)
     if world.rank == 0:
         cfg = model_config(args)
         ranked = planner.plan(cfg, world.size, args.batch_size, profile, planner.ITEMSIZE[args.dtype])
@@ -128,11 +152,25 @@ def model_config(args: argparse.Namespace, resumed: Checkpoint | None = None) ->
                      n_embd=args.n_embd, dtype=args.dtype)
 
 
+MODEL_FLAGS = ("n_layer", "n_head", "n_embd", "block_size")
+
+
 def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | None) -> GPTConfig:
-    """Reject bad input before anything is built or communicated (every rank reaches the same verdict)."""
-    for name in ("steps", "batch_size", "microbatches", "block_size", "dp", "tp", "pp", "bucket_mb"):
+    """Reject bad input before anything is built or communicated (every rank reaches the same verdict).
+    Fills in ``args.dp`` when it was left out: the ranks that tp·pp leave, as Megatron-LM does."""
+    for name in ("steps", "batch_size", "microbatches", "block_size", "tp", "pp", "bucket_mb", "eval_batches",
+                 "log_interval"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    for name in ("lr", "min_lr", "warmup", "grad_clip", "weight_decay", "eval_interval", "save_interval", "keep_last"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.dp is None:
+        if world_size % (args.tp * args.pp):
+            raise ValueError(f"world size {world_size} is not divisible by tp·pp = {args.tp}·{args.pp}")
+        args.dp = world_size // (args.tp * args.pp)
+    if args.dp <= 0:
+        raise ValueError(f"--dp must be positive, got {args.dp}")
     if args.dp * args.tp * args.pp != world_size:
         raise ValueError(f"world size {world_size} != dp·tp·pp = {args.dp}·{args.tp}·{args.pp}; "
                          f"launch with mpiexec -n {args.dp * args.tp * args.pp}")
@@ -152,14 +190,37 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
     if args.zero >= 2 and args.pp > 1:
         raise ValueError("--zero 2/3 reduce-scatter every microbatch's gradients; with --pp use --zero 0 or 1 "
                          "(as DeepSpeed does)")
-    if args.save_interval < 0:
-        raise ValueError(f"--save-interval must be >= 0, got {args.save_interval}")
-    if resumed is not None and resumed.step >= args.steps:
-        raise ValueError(f"{resumed.path} is at step {resumed.step}; --steps {args.steps} leaves nothing to train")
+    if args.keep_last and not args.save:
+        raise ValueError("--keep-last prunes the checkpoints of --save: pass --save DIR too")
+    if resumed is not None:
+        if resumed.step >= args.steps:
+            raise ValueError(f"{resumed.path} is at step {resumed.step}; --steps {args.steps} leaves nothing to train")
+        for name in MODEL_FLAGS:
+            if name in getattr(args, "explicit", ()) and getattr(args, name) != getattr(resumed.config, name):
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} disagrees with the checkpoint "
+                                 f"{resumed.path} ({name}={getattr(resumed.config, name)}): drop the flag to resume, "
+                                 "or start a new run without --resume")
     cfg = model_config(args, resumed)
     check_tensor_parallel(cfg, args.tp)
     stage_blocks(cfg.n_layer, args.pp, 0)
+    check_memory(cfg, args, world_size)
     return cfg
+
+
+def check_memory(cfg: GPTConfig, args: argparse.Namespace, world_size: int) -> None:
+    """Refuse a run whose estimated peak (the planner's model states + activations per rank, for the ranks on
+    this machine) exceeds the memory available here, instead of letting the OOM killer end it mid-step."""
+    itemsize = planner.ITEMSIZE[args.dtype]
+    layout = planner.Layout(args.dp, args.tp, args.pp, args.zero, args.microbatches, args.schedule)
+    states, activations = planner.memory_per_rank(cfg, args.batch_size, layout, itemsize)
+    per_rank = states * itemsize / 4 + activations  # the planner's 16Ψ counts 4-byte words
+    # on the CPU the ranks on this machine share its memory; on GPUs each rank has its own device
+    ranks_here = int(os.environ.get("MPI_LOCALNRANKS", world_size)) if args.device == "cpu" else 1
+    available = memory_available()
+    if per_rank * ranks_here > available:
+        raise ValueError(f"this run needs about {per_rank / 1e9:.1f} GB per rank ({per_rank * ranks_here / 1e9:.1f} GB "
+                         f"for {ranks_here} rank(s)) but {available / 1e9:.1f} GB is available on the {args.device}: "
+                         "reduce --block-size, --batch-size or the model, or raise --microbatches / --tp / --pp")
 
 
 def build_model(args: argparse.Namespace, cfg: GPTConfig, mesh: Mesh, resumed: Checkpoint | None) -> GPT:
@@ -186,7 +247,10 @@ def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any,
     params = engine.gathered_state_dict()
     moments = optimizer.export_state({id(p): n for n, p in model.named_parameters()})
     state = {"param": params, **moments} if mesh.dp_rank == 0 else None
-    return save_checkpoint(args.save, step, state, mesh, model.config, args.zero, optimizer.step_count)
+    saved = save_checkpoint(args.save, step, state, mesh, model.config, args.zero, optimizer.step_count)
+    if mesh.world.rank == 0:
+        prune_checkpoints(args.save, args.keep_last)
+    return saved
 
 
 def build_engine(model: GPT, comm: Communicator, args: argparse.Namespace) -> tuple[Any, Any]:
@@ -235,122 +299,264 @@ def full_state_dict(engine: Any, model: GPT, mesh: Mesh) -> dict[str, np.ndarray
     return stage_state(local, mesh.pp_comm) if mesh.pp > 1 else local
 
 
-def report(record: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(record), flush=True)
-    elif "val_loss" in record:
-        print(f"eval step {record['step']:>5} | val loss {record['val_loss']:.4f}", flush=True)
-    else:
-        comm = ""
-        if record["world"] > 1:
-            tp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith("tp_"))
-            if record["comm_formula_bytes"]:
-                comm += f" | dp {record['comm_bytes'] / 1e6:.2f} MB (formula {record['comm_formula_bytes'] / 1e6:.2f})"
-                if record["comm_bytes"] and record["comm_bytes"] < 0.99 * record["comm_formula_bytes"]:
-                    comm += f", {record['comm_formula_bytes'] / record['comm_bytes']:.1f}× compressed"
-            if tp_bytes:
-                comm += f" | tp {tp_bytes / 1e6:.2f} MB"
-            pp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith("pp_"))
-            if pp_bytes:
-                comm += f" | pp {pp_bytes / 1e6:.2f} MB, bubble {record['pipeline']['bubble']:.0%}"
-            comm += f" | state {sum(record['model_state_bytes'].values()) / 1e6:.2f} MB"
-        print(f"step {record['step']:>5}/{record['steps']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-              f"norm {record['grad_norm']:.3f} | {record['tokens_per_s']:>8,.0f} tok/s | {record['ms']:7.1f} ms{comm}",
-              flush=True)
+def json_line(record: dict[str, Any]) -> str:
+    """``record`` as strict JSON: a non-finite number (a diverged loss) becomes null, never a bare NaN."""
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+    return json.dumps(clean(record), allow_nan=False)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class Progress:
+    """What rank 0 reports: a text line (or a JSON object with ``--json``) every ``--log-interval`` steps and
+    at the last, every record in ``--log-file``, elapsed time and ETA, and a closing summary."""
+
+    def __init__(self, args: argparse.Namespace, lead: bool, first_step: int):
+        self.lead, self.as_json, self.interval, self.steps = lead, args.json, args.log_interval, args.steps
+        self.first_step, self.start, self.tokens, self.step_seconds = first_step, time.perf_counter(), 0, 0.0
+        self.best_val: float | None = None
+        self.written: list[str] = []
+        self.log = open(args.log_file, "a" if first_step else "w", encoding="utf-8") if lead and args.log_file else None
+
+    def say(self, text: str) -> None:
+        """A line for people reading the console (not printed with --json)."""
+        if self.lead and not self.as_json:
+            print(text, flush=True)
+
+    def note(self, text: str) -> None:
+        """A line nobody should miss: on stdout, or on stderr with --json (whose stdout stays pure JSON)."""
+        if self.lead:
+            print(text, file=sys.stderr if self.as_json else sys.stdout, flush=True)
+
+    def step(self, record: dict[str, Any]) -> None:
+        self.tokens += record["tokens"]
+        self.step_seconds += record["ms"] / 1e3
+        elapsed = time.perf_counter() - self.start
+        record["elapsed_s"] = elapsed
+        record["eta_s"] = elapsed / (record["step"] - self.first_step) * (self.steps - record["step"])
+        self._write(record)
+        if self.lead and (record["step"] % self.interval == 0 or record["step"] == self.steps):
+            print(json_line(record) if self.as_json else format_step(record), flush=True)
+
+    def evaluation(self, record: dict[str, Any]) -> None:
+        if math.isfinite(record["val_loss"]):
+            self.best_val = record["val_loss"] if self.best_val is None else min(self.best_val, record["val_loss"])
+        self._write(record)
+        if self.lead:
+            print(json_line(record) if self.as_json else
+                  f"eval step {record['step']:>5} | val loss {record['val_loss']:.4f}", flush=True)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.log:
+            self.log.write(json_line(record) + "\n")
+            self.log.flush()
+
+    def close(self, last_step: int, finished: bool) -> None:
+        """Close the log; when the run ``finished``, print the summary (wall time, tokens/s, files)."""
+        if self.log:
+            self.log.close()
+            self.written.append(f"step records: {self.log.name}")
+        if not self.lead or self.as_json or not finished:
+            return
+        wall = time.perf_counter() - self.start
+        trained = last_step - self.first_step
+        summary = (f"done: {trained} steps in {_duration(wall)}, "
+                   f"{self.tokens / max(self.step_seconds, 1e-9):,.0f} tokens/s on average")
+        summary += f", best val loss {self.best_val:.4f}" if self.best_val is not None else ""
+        print(summary, flush=True)
+        for line in self.written:
+            print(f"  wrote {line}", flush=True)
+
+
+def format_step(record: dict[str, Any]) -> str:
+    comm = ""
+    if record["world"] > 1:
+        tp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith("tp_"))
+        if record["comm_formula_bytes"]:
+            comm += f" | dp {record['comm_bytes'] / 1e6:.2f} MB (formula {record['comm_formula_bytes'] / 1e6:.2f})"
+            if record["comm_bytes"] and record["comm_bytes"] < 0.99 * record["comm_formula_bytes"]:
+                comm += f", {record['comm_formula_bytes'] / record['comm_bytes']:.1f}× compressed"
+        if tp_bytes:
+            comm += f" | tp {tp_bytes / 1e6:.2f} MB"
+        pp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith("pp_"))
+        if pp_bytes:
+            comm += f" | pp {pp_bytes / 1e6:.2f} MB, bubble {record['pipeline']['bubble']:.0%}"
+        comm += f" | state {sum(record['model_state_bytes'].values()) / 1e6:.2f} MB"
+    return (f"step {record['step']:>5}/{record['steps']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"norm {record['grad_norm']:.3f} | {record['tokens_per_s']:>8,.0f} tok/s | {record['ms']:7.1f} ms | "
+            f"{_duration(record['elapsed_s'])} elapsed, eta {_duration(record['eta_s'])}{comm}")
+
+
+class Preempted(Exception):
+    """SIGTERM arrived: the job checkpointed (with --save) and stops; every rank raises this at the same step."""
+
+
+class PreemptionWatch:
+    """A scheduler's SIGTERM (preemption) sets a flag on the rank that gets it; after each step the ranks
+    agree with one 8-byte all-reduce, so all of them checkpoint and stop at the same step. Only with --save:
+    without a checkpoint to write, SIGTERM ends the process as usual."""
+
+    def __init__(self, world: Communicator, enabled: bool):
+        self.world, self.enabled, self.signalled = world, enabled, False
+        self.previous = signal.signal(signal.SIGTERM, self._handler) if enabled else None
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        self.signalled = True
+
+    def requested(self) -> bool:
+        if not self.enabled or self.world.size == 1:
+            return self.signalled
+        return self.world.all_reduce(np.array([float(self.signalled)]), label="preemption")[0] > 0
+
+    def close(self) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+def step_record(step: int, args: argparse.Namespace, loss: float, norm: float, ms: float, world: Communicator,
+                comms: list[Communicator], engine: Any, local_sgd: LocalSGD | None, outer_round: bool,
+                state_bytes: dict[str, int], pipeline: Pipeline, mesh: Mesh, lr: float, tokens: int) -> dict[str, Any]:
+    by_op: dict[str, Any] = {}
+    for c in comms:
+        for k, v in c.stats.items():
+            by_op.setdefault(k, {"bytes": 0, "calls": 0})
+            by_op[k]["bytes"] += v.bytes
+            by_op[k]["calls"] += v.calls
+    return {"step": step + 1, "steps": args.steps, "loss": loss, "lr": lr, "grad_norm": norm,
+            "tokens": tokens, "tokens_per_s": tokens / (ms / 1e3), "ms": ms, "world": world.size,
+            "comm_bytes": sum(by_op.get(k, {"bytes": 0})["bytes"] for k in ("grads", "params")),
+            "comm_formula_bytes": (engine.formula_bytes() if not local_sgd else
+                                   local_sgd.formula_bytes_per_round() * outer_round) if mesh.dp > 1 else 0.0,
+            "comm_bytes_by_op": {k: v["bytes"] for k, v in by_op.items()},
+            "comm_calls_by_op": {k: v["calls"] for k, v in by_op.items()}, "model_state_bytes": state_bytes,
+            "pipeline": pipeline.stats}
+
+
+def load_data(args: argparse.Namespace, block: int) -> tuple[np.ndarray, Batches, Batches | None, str | None]:
+    """(all tokens, training batches, validation batches or None, a note on rank 0's first lines or None)."""
+    tokens = load_tokens(args.data)
+    source = args.data or "the default corpus"
+    train_tokens, val_tokens = split_tokens(tokens)
+    if len(train_tokens) < block + 2:
+        raise ValueError(f"{source} has {len(tokens)} tokens: its training split (the first 90%, {len(train_tokens)} "
+                         f"tokens) needs at least block_size + 2 = {block + 2}; use more data or a smaller --block-size")
+    batches = Batches(train_tokens, args.batch_size, block, seed=args.seed)
+    if len(val_tokens) < block + 2:
+        note = (f"note: the validation split of {source} (the last 10%, {len(val_tokens)} tokens) is shorter than "
+                f"block_size + 2 = {block + 2}: no validation loss") if args.eval_interval else None
+        return tokens, batches, None, note
+    return tokens, batches, Batches(val_tokens, args.batch_size, block, seed=args.seed + 1), None
 
 
 def train(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Run the training job described by ``args`` on every rank; returns the per-step records."""
+    """Run the training job described by ``args`` on every rank; returns the per-step records.
+
+    Stops with an error (the same on every rank) when a step's loss or gradient norm is not finite —
+    before anything of that step is saved — and raises :class:`Preempted` after checkpointing on SIGTERM.
+    """
     world = Communicator()
     if args.auto:
         choose_layout(args, world)
     resumed = load_checkpoint(args.resume) if args.resume else None
-    cfg = validate(args, world.size, resumed)
     set_device(args.device)
+    cfg = validate(args, world.size, resumed)
     set_kernels(args.kernels)
-    tokens = load_tokens(args.data)
+    block = cfg.block_size
+    tokens, batches, val_batches, data_note = load_data(args, block)
     mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp)
     comms = [world, mesh.dp_comm, mesh.tp_comm, mesh.pp_comm]
     model = build_model(args, cfg, mesh, resumed)
     pipeline = Pipeline(model, mesh.pp_comm, args.schedule)
-    block = cfg.block_size
-    train_tokens, val_tokens = split_tokens(tokens)
-    batches = Batches(train_tokens, args.batch_size, block, seed=args.seed)
-    val_batches = Batches(val_tokens, args.batch_size, block, seed=args.seed + 1) if len(val_tokens) > block + 2 else None
-    n_params = cfg.num_parameters()
     engine, optimizer = build_engine(model, mesh.dp_comm, args)
     local_sgd = LocalSGD(model, mesh.dp_comm, args.local_sgd, args.outer_lr, args.outer_momentum,
                          staleness=args.staleness) if args.local_sgd else None
     if resumed is not None:
         restore_optimizer(optimizer, model, mesh, resumed)
     tp_sum, pp_sum = group_sum(mesh.tp_comm), group_sum(mesh.pp_comm)
-    m, lead = args.microbatches, world.rank == 0
-    if lead and not args.json:
-        layout = "".join(f", {k}={v}" for k, v in (("dp", mesh.dp), ("tp", mesh.tp), ("pp", mesh.pp)) if v > 1)
-        layout += f" {args.schedule}" if mesh.pp > 1 else ""
-        layout += f" zero-{args.zero}" if args.zero else ""
-        print(f"minipar: GPT {n_params:,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} T={block}), "
-              f"{len(tokens):,} tokens, batch {args.batch_size}×{block}, {args.dtype} on {args.device}{layout}", flush=True)
-        if resumed is not None:
-            print(f"resumed from {resumed.path} (step {resumed.step}, saved as {resumed.layout_name})", flush=True)
+    m, lead, first_step = args.microbatches, world.rank == 0, resumed.step if resumed else 0
+    progress = Progress(args, lead, first_step)
+    layout = "".join(f", {k}={v}" for k, v in (("dp", mesh.dp), ("tp", mesh.tp), ("pp", mesh.pp)) if v > 1)
+    layout += (f" {args.schedule}" if mesh.pp > 1 else "") + (f" zero-{args.zero}" if args.zero else "")
+    progress.say(f"minipar: GPT {cfg.num_parameters():,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} "
+                 f"T={block}), {len(tokens):,} tokens, batch {args.batch_size}×{block}, {args.dtype} on "
+                 f"{args.device}{layout}")
+    if resumed is not None:
+        for skipped in resumed.skipped:
+            progress.note(f"skipped damaged checkpoint {skipped}")
+        progress.note(f"resumed from {resumed.path} (step {resumed.step}, saved as {resumed.layout_name})")
+    if data_note:
+        progress.note(data_note)
 
+    preemption = PreemptionWatch(world, enabled=bool(args.save))
     if args.trace:
         trace.start(world)
-    records = []
-    for step in range(resumed.step if resumed else 0, args.steps):
-        t0 = time.perf_counter()
-        for c in comms:
-            c.reset_stats()
-        x, y = (shard_rows(a, mesh.dp_rank, mesh.dp) for a in batches(step))
-        losses = pipeline.run(engine, x, y, m)
-        with trace.span("sync gradients", "comm"):
-            engine.sync_gradients()
-        with trace.span("optimizer", "optimizer"):
-            norm = optimizer.clip_grad_norm(args.grad_clip, lambda s: pp_sum(tp_sum(s)))
-            optimizer.lr = cosine_lr(step, max_lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
-                                     min_lr=args.min_lr)
-            optimizer.step()
-        outer_round = local_sgd.step() if local_sgd else False
-        state_bytes = engine.model_state_bytes(optimizer)
-        optimizer.zero_grad()
-        loss = mean_loss(losses, mesh)
-        ms = (time.perf_counter() - t0) * 1e3
-        by_op: dict[str, Any] = {}
-        for c in comms:
-            for k, v in c.stats.items():
-                by_op.setdefault(k, {"bytes": 0, "calls": 0})
-                by_op[k]["bytes"] += v.bytes
-                by_op[k]["calls"] += v.calls
-        record = {"step": step + 1, "steps": args.steps, "loss": loss, "lr": optimizer.lr, "grad_norm": float(norm),
-                  "tokens_per_s": args.batch_size * block / (ms / 1e3), "ms": ms, "world": world.size,
-                  "comm_bytes": sum(by_op.get(k, {"bytes": 0})["bytes"] for k in ("grads", "params")),
-                  "comm_formula_bytes": (engine.formula_bytes() if not local_sgd else
-                                         local_sgd.formula_bytes_per_round() * outer_round) if mesh.dp > 1 else 0.0,
-                  "comm_bytes_by_op": {k: v["bytes"] for k, v in by_op.items()},
-                  "comm_calls_by_op": {k: v["calls"] for k, v in by_op.items()}, "model_state_bytes": state_bytes,
-                  "pipeline": pipeline.stats}
-        records.append(record)
-        if lead:
-            report(record, args.json)
-        if val_batches and args.eval_interval and ((step + 1) % args.eval_interval == 0 or step + 1 == args.steps):
-            val = {"step": step + 1, "val_loss": evaluate(engine, pipeline, mesh, val_batches, args.eval_batches)}
-            records.append(val)
+    records, step, finished = [], first_step, False
+    try:
+        for step in range(first_step, args.steps):
+            t0 = time.perf_counter()
+            for c in comms:
+                c.reset_stats()
+            x, y = (shard_rows(a, mesh.dp_rank, mesh.dp) for a in batches(step))
+            losses = pipeline.run(engine, x, y, m)
+            with trace.span("sync gradients", "comm"):
+                engine.sync_gradients()
+            with trace.span("optimizer", "optimizer"):
+                norm = optimizer.clip_grad_norm(args.grad_clip, lambda s: pp_sum(tp_sum(s)))
+                optimizer.lr = cosine_lr(step, max_lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
+                                         min_lr=args.min_lr)
+                optimizer.step()
+            outer_round = local_sgd.step() if local_sgd else False
+            state_bytes = engine.model_state_bytes(optimizer)
+            optimizer.zero_grad()
+            loss = mean_loss(losses, mesh)
+            record = step_record(step, args, loss, float(norm), (time.perf_counter() - t0) * 1e3, world, comms, engine,
+                                 local_sgd, outer_round, state_bytes, pipeline, mesh, optimizer.lr,
+                                 args.batch_size * block)
+            records.append(record)
+            progress.step(record)
+            if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
+                raise RuntimeError(f"step {step + 1}: the loss ({record['loss']}) or gradient norm "
+                                   f"({record['grad_norm']}) is not finite — training diverged; nothing of this step "
+                                   "was saved (try a lower --lr, a longer --warmup or --grad-clip)")
+            last = step + 1 == args.steps
+            if val_batches and args.eval_interval and ((step + 1) % args.eval_interval == 0 or last):
+                val = {"step": step + 1, "val_loss": evaluate(engine, pipeline, mesh, val_batches, args.eval_batches)}
+                records.append(val)
+                progress.evaluation(val)
+            stop = preemption.requested()
+            if args.save and (stop or last or (args.save_interval and (step + 1) % args.save_interval == 0)):
+                saved = checkpoint(args, step + 1, engine, optimizer, model, mesh)
+                progress.say(f"checkpoint {saved}")
+                if last or stop:
+                    progress.written.append(f"checkpoint: {saved} (resume with --resume {args.save})")
+            if stop:
+                progress.note(f"SIGTERM: stopped after step {step + 1} of {args.steps}, checkpoint written; "
+                              f"resume with --resume {args.save}")
+                raise Preempted(f"preempted after step {step + 1}")
+        if local_sgd:
+            local_sgd.finish()  # the outstanding rounds: every replica ends equal
+        if args.trace:
+            trace.write(args.trace, world)
+            progress.written.append(f"timeline: {args.trace} (ui.perfetto.dev, or python -m minipar trace-plot "
+                                    f"{args.trace})")
+        if args.out:
+            state = full_state_dict(engine, model, mesh)
             if lead:
-                report(val, args.json)
-        if args.save and ((args.save_interval and (step + 1) % args.save_interval == 0) or step + 1 == args.steps):
-            saved = checkpoint(args, step + 1, engine, optimizer, model, mesh)
-            if lead and not args.json:
-                print(f"checkpoint {saved}", flush=True)
-    if local_sgd:
-        local_sgd.finish()  # the outstanding rounds: every replica ends equal
-    if args.trace:
-        trace.write(args.trace, world)
-        if lead and not args.json:
-            print(f"wrote {args.trace} (open in ui.perfetto.dev, or: python -m minipar trace-plot {args.trace})", flush=True)
-    if args.out:
-        state = full_state_dict(engine, model, mesh)
-        if lead:
-            GPT(cfg).save_hf(args.out, state)
-            if not args.json:
-                print(f"saved {args.out}/model.safetensors and config.json", flush=True)
+                GPT(cfg).save_hf(args.out, state)
+            progress.written.append(f"model: {args.out}/ (Hugging Face GPT-2; python -m minipar generate --ckpt "
+                                    f"{args.out})")
+        finished = True
+    finally:
+        preemption.close()
+        progress.close(step + 1 if records else first_step, finished)
     return records

@@ -55,17 +55,107 @@ def test_text_progress_line():
 @pytest.mark.parametrize("args,message", [
     (["train", "--n-embd", "30", "--n-head", "4"], "divisible by n_head"),
     (["train", "--data", "/no/such/file"], "data file not found"),
+    (["train", "--data", "/"], "--data / is a directory: pass one text file"),
     (["train", "--batch-size", "6", "--microbatches", "4"], "not divisible by --dp·--microbatches"),
     (["train", "--steps", "0"], "--steps must be positive"),
+    (["train", "--eval-batches", "0"], "--eval-batches must be positive, got 0"),
+    (["train", "--log-interval", "0"], "--log-interval must be positive"),
+    (["train", "--lr=-1e-3"], "--lr must be >= 0, got -0.001"),
+    (["train", "--min-lr", "-1"], "--min-lr must be >= 0"),
+    (["train", "--warmup", "-5"], "--warmup must be >= 0"),
+    (["train", "--grad-clip", "-1"], "--grad-clip must be >= 0"),
+    (["train", "--weight-decay", "-0.1"], "--weight-decay must be >= 0"),
+    (["train", "--eval-interval", "-1"], "--eval-interval must be >= 0"),
+    (["train", "--keep-last", "2"], "--keep-last prunes the checkpoints of --save"),
+    (["train", "--block-size", "100000"], "GB is available on the cpu: reduce --block-size"),
     (["train", "--no-such-flag"], "unrecognized arguments"),
+    (["train", "--n-lay", "2"], "unrecognized arguments"),  # no abbreviations: flags are matched exactly
     (["generate", "--ckpt", "/no/such/dir"], "no config.json"),
 ])
 def test_bad_input_is_one_clear_error(args, message):
     out = run_cli(*args)
     assert out.returncode != 0
     assert message in out.stderr and "Traceback" not in out.stderr
+    if "unrecognized" not in message:  # argparse's own errors come with the usage text
+        assert len(out.stderr.strip().splitlines()) == 1
 
 
-def test_help():
+def test_data_too_short_names_the_split(tmp_path):
+    tiny = tmp_path / "ten.txt"
+    tiny.write_bytes(b"0123456789")
+    out = run_cli("train", *TINY, "--data", str(tiny))
+    assert out.returncode == 2 and "ten.txt has 10 tokens: its training split (the first 90%, 9 tokens)" in out.stderr
+    enough = tmp_path / "short.txt"
+    enough.write_bytes(b"x" * 40)  # trains (36 tokens) but the validation split (4) is too short: said once
+    out = run_cli("train", *TINY, "--data", str(enough), "--steps", "1")
+    assert out.returncode == 0 and "note: the validation split of" in out.stdout and "no validation loss" in out.stdout
+
+
+def test_help_shows_defaults():
     out = run_cli("train", "--help")
     assert out.returncode == 0 and "--microbatches" in out.stdout and "--dtype" in out.stdout
+    text = " ".join(out.stdout.split())
+    assert "(default: 0.002)" in text and "(default: 300)" in text and "--staleness STALENESS local SGD: apply each " \
+        "round's average τ rounds later (default: 0)" in text and "(default: None)" not in text
+
+
+def test_progress_log_interval_eta_log_file_and_summary(tmp_path):
+    log = tmp_path / "run.jsonl"
+    out = run_cli("train", *TINY, "--steps", "6", "--log-interval", "4", "--eval-interval", "3", "--eval-batches", "1",
+                  "--log-file", str(log), "--out", str(tmp_path / "model"))
+    assert out.returncode == 0, out.stderr
+    step_lines = [line for line in out.stdout.splitlines() if line.startswith("step")]
+    assert [line.split("/")[0].split()[-1] for line in step_lines] == ["4", "6"]  # every 4th step and the last
+    assert all("elapsed, eta" in line for line in step_lines)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]  # the file has every step
+    assert [r["step"] for r in records if "val_loss" in r] == [3, 6]
+    assert records[-2]["eta_s"] == 0.0 and all(r["elapsed_s"] > 0 for r in records if "loss" in r)
+    best = min(r["val_loss"] for r in records if "val_loss" in r)
+    summary = out.stdout[out.stdout.index("done: 6 steps"):]
+    assert "tokens/s on average" in summary and f"best val loss {best:.4f}" in summary
+    assert f"wrote model: {tmp_path / 'model'}/" in summary and f"wrote step records: {log}" in summary
+
+
+def test_resume_refuses_model_flags_that_disagree(tmp_path):
+    save = str(tmp_path / "save")
+    assert run_cli("train", *TINY, "--steps", "2", "--save", save, "--eval-interval", "0").returncode == 0
+    out = run_cli("train", *TINY, "--steps", "4", "--resume", save, "--n-embd", "32")
+    assert out.returncode == 2 and "--n-embd 32 disagrees with the checkpoint" in out.stderr and "n_embd=16" in out.stderr
+    again = run_cli("train", *TINY, "--steps", "3", "--resume", save, "--eval-interval", "0")  # the same flags: fine
+    assert again.returncode == 0, again.stderr
+
+
+def test_keep_last_and_generate_from_a_save_directory(tmp_path):
+    save = tmp_path / "save"
+    out = run_cli("train", *TINY, "--steps", "5", "--save", str(save), "--save-interval", "1", "--keep-last", "2",
+                  "--eval-interval", "0")
+    assert out.returncode == 0, out.stderr
+    assert sorted(p.name for p in save.iterdir()) == ["latest", "step_000004", "step_000005"]
+    gen = run_cli("generate", "--ckpt", str(save), "--prompt", "def ", "--max-new-tokens", "5")
+    assert gen.returncode == 0 and gen.stdout.startswith("def "), gen.stderr
+
+
+def test_dp_is_inferred_from_the_world_size():
+    from minipar.testing import run_command
+
+    out = run_command(4, [sys.executable, "-m", "minipar", "train", *TINY, "--tp", "2", "--steps", "1", "--json",
+                          "--eval-interval", "0"], timeout=120)
+    record = json.loads([line for line in out.splitlines() if line.startswith("{")][0])
+    assert record["world"] == 4 and record["comm_formula_bytes"] > 0  # dp = 4 / 2: a data-parallel all-reduce ran
+
+
+def test_plan_calibrates_when_no_profile_exists_and_auto_saves_its_calibration(tmp_path):
+    env = {**os.environ, "HOME": str(tmp_path)}
+    plan = subprocess.run([sys.executable, "-m", "minipar", "plan", "--world", "2", "--top", "2"], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert plan.returncode == 0, plan.stderr
+    assert "measuring it" in plan.stdout and "dp2" in plan.stdout
+    assert (tmp_path / ".cache" / "minipar" / "profile-cpu-2ranks.json").is_file()
+    huge = subprocess.run([sys.executable, "-m", "minipar", "plan", "--world", "4096", "--preset", "gpt3-175b",
+                           "--top", "1"], capture_output=True, text=True, timeout=300, env=env)
+    assert huge.returncode == 0 and "using --profile a100-80gb" in huge.stdout, huge.stderr
+    auto = subprocess.run([sys.executable, "-m", "minipar", "train", *TINY, "--auto", "--steps", "1",
+                           "--eval-interval", "0"], capture_output=True, text=True, timeout=300, env=env)
+    assert auto.returncode == 0, auto.stderr
+    assert (tmp_path / ".cache" / "minipar" / "profile-cpu-1ranks.json").is_file() and "calibrated" in auto.stdout

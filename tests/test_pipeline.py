@@ -86,4 +86,4 @@ def test_schedules_are_complete_and_causal():
 def test_bad_pipeline_config(ranks, args, message):
     with pytest.raises(AssertionError) as err:
         run_command(ranks, [sys.executable, "-m", "minipar", "train", *args], timeout=60)
-    assert str(err.value).count(message) == ranks
+    assert str(err.value).count(message) == 1 and "exit 2" in str(err.value)  # refused by every rank, said once

@@ -104,4 +104,4 @@ def test_vocab_parallel_ops_three_ranks():
 def test_bad_tp_config_fails_before_communicating(args, message):
     with pytest.raises(AssertionError) as err:
         run_command(3, [sys.executable, "-m", "minipar", "train", *args], timeout=60)
-    assert str(err.value).count(message) == 3
+    assert str(err.value).count(message) == 1 and "exit 2" in str(err.value)  # refused by every rank, said once

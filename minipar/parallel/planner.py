@@ -166,6 +166,24 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     optimizer = 7 * 4 * psi_local / (dp if layout.zero else 1) / profile.bandwidth * share
     step = pipeline_time + exposed_dp + optimizer
 
+    states, activations = memory_per_rank(cfg, batch_size, layout, itemsize)
+    memory = states + activations
+    breakdown = {"compute": m * stage_compute, "bubble": (pp - 1) * microbatch, "tp_comm": m * tp_time,
+                 "pp_comm": m * pp_time, "dp_comm_exposed": exposed_dp, "optimizer": optimizer,
+                 "model_states": states, "activations": activations}
+    return Prediction(layout, step, memory, memory <= profile.memory, breakdown)
+
+
+def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4) -> tuple[float, float]:
+    """(model-state bytes, activation bytes incl. logits) of the most loaded rank: parameters, gradients and
+    Adam's two moments (16Ψ in fp32, sharded by ZeRO stage) and Korthikanti et al.'s per-layer activations
+    sbh(34 + 5as/h), scaled to this dtype, for every microbatch a stage holds at once."""
+    dp, tp, pp, m = layout.dp, layout.tp, layout.pp, layout.microbatches
+    C, H, T, L = cfg.n_embd, cfg.n_head, cfg.block_size, cfg.n_layer
+    V = math.ceil(cfg.vocab_size / tp) * tp
+    b = batch_size / (dp * m)
+    t = b * T
+    psi_local = stage_parameters(cfg, pp) / tp
     states = {0: 16 * psi_local, 1: 8 * psi_local + 12 * psi_local / dp,
               2: 4 * psi_local + 12 * psi_local / dp, 3: 16 * psi_local / dp}[layout.zero]
     per_layer_act = T * b * C * (10 + 24 / tp + 5 * H * T / (C * tp)) * itemsize / 2
@@ -176,11 +194,7 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     else:
         activations = layers * per_layer_act * in_flight
     logits = 2 * t * V / tp * itemsize
-    memory = states + activations + logits
-    breakdown = {"compute": m * stage_compute, "bubble": (pp - 1) * microbatch, "tp_comm": m * tp_time,
-                 "pp_comm": m * pp_time, "dp_comm_exposed": exposed_dp, "optimizer": optimizer,
-                 "model_states": states, "activations": activations + logits}
-    return Prediction(layout, step, memory, memory <= profile.memory, breakdown)
+    return states, activations + logits
 
 
 def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool = False) -> list[Layout]:
@@ -368,6 +382,14 @@ def format_plan(predictions: list[Prediction], top: int, model_flops: Any = None
 def default_profile_path(world: int) -> str:
     """This machine's calibration for ``world`` ranks (latencies under load depend on how many share the cores)."""
     return os.path.join(os.path.expanduser("~"), ".cache", "minipar", f"profile-cpu-{world}ranks.json")
+
+
+def save_calibration(profile: Profile, world: int, path: str | None = None) -> str:
+    """Store a calibration where :func:`load_profile` finds it (or at ``path``); returns the path."""
+    path = path or default_profile_path(world)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    profile.save(path)
+    return path
 
 
 def load_profile(name: str | None, world: int) -> Profile:
