@@ -315,3 +315,65 @@ def test_chunk_bounds():
     assert chunk_bounds(2, 4) == [0, 1, 2, 2, 2]
     assert chunk_bounds(10, 3) == [0, 4, 7, 10]
     assert [len(a) for a in np.array_split(np.arange(10), 3)] == [4, 3, 3]
+
+
+def _issue_order_with_submitted_work(seed, with_repro):
+    """A program every rank runs identically — submitted functions that issue collectives, async and
+    blocking collectives on the main thread, in a random order — but with rank-dependent sleeps, so the
+    threads interleave differently on every rank. Each result must equal MPI's."""
+    import time
+
+    comm = Communicator(MPI.COMM_WORLD.Dup())
+    rank, p = comm.rank, comm.size
+    if with_repro:  # the reported hang: rank 1 is late inside its submitted function, rank 0 on the main thread
+        x, y = np.full(3, rank + 1.0), np.full(5, 10.0 * (rank + 1))
+        h1 = comm.submit(lambda: (time.sleep(0.2 if rank == 1 else 0), comm.all_reduce(x))[1])
+        time.sleep(0.1 if rank == 0 else 0)
+        h2 = comm.all_reduce(y, async_op=True)
+        h1.wait(), h2.wait()
+        assert (x == p * (p + 1) / 2).all() and (y == 10 * p * (p + 1) / 2).all()
+    program = np.random.default_rng(seed)          # the same on every rank
+    jitter = np.random.default_rng((seed, rank))   # different on every rank
+    expected, handles, arrays = [], [], []
+
+    def nap():
+        time.sleep(float(jitter.uniform(0, 0.02)))
+
+    for i in range(12):
+        kind = program.choice(["submit", "async", "blocking"])
+        n = int(program.integers(1, 40))
+        data = [np.arange(n, dtype=np.float64) * (i + 1) + r for r in range(p)]
+        total = np.sum(data, axis=0)
+        if kind == "submit":
+            pieces = int(program.integers(1, 4))
+            bufs = [data[rank].copy() for _ in range(pieces)]
+
+            def compound(bufs=bufs):
+                for b in bufs:
+                    nap()
+                    comm.all_reduce(b)
+                return bufs
+            handles.append(comm.submit(compound))
+            arrays.append(None)
+            expected.append([total] * pieces)
+        else:
+            nap()
+            buf = data[rank].copy()
+            if kind == "async":
+                handles.append(comm.all_reduce(buf, async_op=True))
+            else:
+                comm.all_reduce(buf)
+                handles.append(None)
+            arrays.append(buf)
+            expected.append([total])
+    for handle, array, want in zip(handles, arrays, expected):
+        got = handle.wait() if handle is not None else None
+        results = got if isinstance(got, list) else [array]
+        for r, w in zip(results, want):
+            np.testing.assert_allclose(r, w, rtol=1e-12)
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_submitted_and_main_thread_collectives_keep_issue_order(p):
+    for seed in range(3):
+        run_ranks(p, _issue_order_with_submitted_work, seed, seed == 0, timeout=30)

@@ -297,23 +297,28 @@ class Communicator:
 
     def _collective(self, name: str, x: Any, async_op: bool, run: Callable[[np.ndarray, int], Any], label: str | None,
                     in_place: bool = True, same_shape: bool = True, **details: Any) -> Any:
-        """Run ``run(contiguous 1-D host buffer, tag)`` as collective ``name``, in call order, accounted under ``label or name``."""
-        sequence = self._sequence
-        self._sequence += 1
-        tag = COLLECTIVE_TAG_BASE + sequence % (1 << 14)
-        signature = None
-        if self.debug:
-            signature = {"seq": sequence, "op": name, "dtype": str(x.dtype), "shape": list(x.shape) if same_shape else None,
-                         "details": dict(details), "site": _call_site()}
+        """Run ``run(contiguous 1-D host buffer, tag)`` as collective ``name``, in call order, accounted under ``label or name``.
 
+        The sequence number (and so the tag) is taken when the collective *executes*, not when it is
+        called. Execution is serialized in issue order on every rank — inline when nothing is queued,
+        else behind the queued work, and a submitted function's collectives inline on the worker as
+        it runs — so a collective issued on the main thread while a submitted function is still
+        waiting to issue its own gets the later number on every rank, however the threads are timed.
+        """
+        site = _call_site() if self.debug else None
         key = label or name
 
         def execute() -> Any:
+            sequence = self._sequence
+            self._sequence += 1
+            tag = COLLECTIVE_TAG_BASE + sequence % (1 << 14)
             self._local.op = key
             start = time.perf_counter()
             try:
-                if signature is not None:
-                    self._verify_signature(signature)
+                if self.debug:
+                    self._verify_signature({"seq": sequence, "op": name, "dtype": str(x.dtype),
+                                            "shape": list(x.shape) if same_shape else None, "details": dict(details),
+                                            "site": site})
                 buf = np.ascontiguousarray(to_host(x)).reshape(-1)  # a view of x when x is contiguous on the host
                 result = run(buf, tag)
                 if not in_place:
