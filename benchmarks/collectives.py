@@ -1,12 +1,17 @@
-"""Bandwidth of minipar's collectives against MPI's own, with nccl-tests' definitions.
+"""minipar's collectives against MPI's own, per size: the automatically chosen algorithm, every algorithm,
+and nccl-tests' bandwidth definitions.
 
-    mpiexec -n 2 python benchmarks/collectives.py            # 1 KiB … 64 MiB, float32
+    mpiexec -n 2 python benchmarks/collectives.py                   # 1 KiB … 64 MiB, float32
     mpiexec -n 4 python benchmarks/collectives.py --max-mib 16 --ops all_reduce
+    MINIPAR_RANKS_PER_NODE=2 mpiexec -n 4 python benchmarks/collectives.py --ops all_reduce   # two "nodes"
 
+Per (op, size) it prints the algorithm the cost model chose and its time, the fastest algorithm and its
+time, MPI's time, the ratio auto/MPI, and busbw of the automatic choice and of MPI.
 algbw = S / t (S: the full buffer — all-reduce's vector, all-gather's output, reduce-scatter's input);
 busbw = algbw · F with F = 2(p−1)/p for all-reduce, (p−1)/p for reduce-scatter and all-gather,
 1 for broadcast: the bandwidth each link must sustain, comparable across p. Times are the median
-of ``--iters`` runs, each started after a barrier, measured as the slowest rank's time.
+of ``--iters`` runs, each started after a barrier, measured as the slowest rank's time. minipar's
+reduce-scatter and all-gather write into preallocated outputs (``out=``), as MPI's do.
 """
 from __future__ import annotations
 
@@ -21,25 +26,28 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 from minipar.comm import Communicator  # noqa: E402
+from minipar.comm.tuning import ALGORITHMS  # noqa: E402
 
 BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
               "all_gather": lambda p: (p - 1) / p, "broadcast": lambda p: 1.0}
 
 
-def cases(comm: Communicator, n: int):
-    """op -> (minipar call, MPI call) on an n-element float32 vector S."""
+def cases(comm: Communicator, op: str, n: int):
+    """(minipar call taking algorithm=, MPI call) on an n-element float32 vector S."""
     p, mpi = comm.size, comm.mpi
     x, y = np.ones(n, np.float32), np.empty(n, np.float32)
-    part = np.ones(n // p, np.float32)
+    part, whole = np.ones(n // p, np.float32), np.empty(p * (n // p), np.float32)
     return {
-        "all_reduce": (lambda: comm.all_reduce(x), lambda: mpi.Allreduce(x, y)),
-        "reduce_scatter": (lambda: comm.reduce_scatter(x), lambda: mpi.Reduce_scatter_block(x, part)),
-        "all_gather": (lambda: comm.all_gather(part), lambda: mpi.Allgather(part, y[:p * (n // p)])),
-        "broadcast": (lambda: comm.broadcast(x), lambda: mpi.Bcast(x)),
-    }
+        "all_reduce": (lambda alg: comm.all_reduce(x, algorithm=alg), lambda: mpi.Allreduce(x, y)),
+        "reduce_scatter": (lambda alg: comm.reduce_scatter(whole, algorithm=alg, out=part),
+                           lambda: mpi.Reduce_scatter_block(whole, part)),
+        "all_gather": (lambda alg: comm.all_gather(part, algorithm=alg, out=whole), lambda: mpi.Allgather(part, whole)),
+        "broadcast": (lambda alg: comm.broadcast(x, algorithm=alg), lambda: mpi.Bcast(x)),
+    }[op]
 
 
 def timed(comm: Communicator, fn, iters: int) -> float:
+    fn()  # warm up (allocations, connections)
     times = []
     for _ in range(iters):
         comm.mpi.Barrier()
@@ -64,19 +72,27 @@ def main() -> None:
         sizes.append(size)
         size *= 4
     if comm.rank == 0:
-        print(f"p = {p}, float32, median of {args.iters}; GB/s = 1e9 bytes/s")
-        print(f"{'op':<15}{'size':>10}{'minipar ms':>12}{'MPI ms':>10}{'ratio':>8}{'algbw':>8}{'busbw':>8}{'MPI busbw':>10}")
+        model = comm.cost_model()
+        print(f"p = {p} on {comm._node_count()} node(s), float32, median of {args.iters}; GB/s = 1e9 bytes/s; cost "
+              f"model α = {model.alpha * 1e6:.1f} µs, 1/β = {1e-9 / max(model.beta, 1e-30):.1f} GB/s, "
+              f"1/γ = {1e-9 / max(model.gamma, 1e-30):.1f} GB/s")
+        print(f"{'op':<15}{'size':>9} {'auto':<19}{'ms':>8} {'fastest':<19}{'ms':>8}{'MPI ms':>8}{'auto/MPI':>9}"
+              f"{'busbw':>7}{'MPI':>7}")
+    else:
+        comm.cost_model()
     for op in args.ops:
         for nbytes in sizes:
-            ours, native = cases(comm, nbytes // 4)[op]
-            ours(), native()  # warm up (allocations, connections)
-            t_ours, t_mpi = timed(comm, ours, args.iters), timed(comm, native, args.iters)
-            algbw = nbytes / t_ours / 1e9
-            busbw, mpi_busbw = algbw * BUS_FACTOR[op](p), nbytes / t_mpi / 1e9 * BUS_FACTOR[op](p)
+            ours, native = cases(comm, op, nbytes // 4)
+            t_alg = {alg: timed(comm, lambda: ours(alg), args.iters) for alg in ALGORITHMS[op]
+                     if alg != "hierarchical" or comm._hierarchy() is not None}
+            t_auto, t_mpi = timed(comm, lambda: ours(None), args.iters), timed(comm, native, args.iters)
+            chosen = comm.stats[op].algorithm
+            fastest = min(t_alg, key=t_alg.get)
             if comm.rank == 0:
                 label = f"{nbytes // 1024} KiB" if nbytes < 1 << 20 else f"{nbytes >> 20} MiB"
-                print(f"{op:<15}{label:>10}{t_ours * 1e3:>12.3f}{t_mpi * 1e3:>10.3f}{t_ours / t_mpi:>8.2f}"
-                      f"{algbw:>8.2f}{busbw:>8.2f}{mpi_busbw:>10.2f}", flush=True)
+                bus = BUS_FACTOR[op](p) * nbytes / 1e9
+                print(f"{op:<15}{label:>9} {chosen:<19}{t_auto * 1e3:>8.3f} {fastest:<19}{t_alg[fastest] * 1e3:>8.3f}"
+                      f"{t_mpi * 1e3:>8.3f}{t_auto / t_mpi:>9.2f}{bus / t_auto:>7.2f}{bus / t_mpi:>7.2f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -429,16 +429,19 @@ def step_record(step: int, args: argparse.Namespace, loss: float, norm: float, m
     by_op: dict[str, Any] = {}
     for c in comms:
         for k, v in c.stats.items():
-            by_op.setdefault(k, {"bytes": 0, "calls": 0})
+            by_op.setdefault(k, {"bytes": 0, "calls": 0, "algorithm": None})
             by_op[k]["bytes"] += v.bytes
             by_op[k]["calls"] += v.calls
+            by_op[k]["algorithm"] = v.algorithm or by_op[k]["algorithm"]
     return {"step": step + 1, "steps": args.steps, "loss": loss, "lr": lr, "grad_norm": norm,
             "tokens": tokens, "tokens_per_s": tokens / (ms / 1e3), "ms": ms, "world": world.size,
             "comm_bytes": sum(by_op.get(k, {"bytes": 0})["bytes"] for k in ("grads", "params")),
             "comm_formula_bytes": (engine.formula_bytes() if not local_sgd else
                                    local_sgd.formula_bytes_per_round() * outer_round) if mesh.dp > 1 else 0.0,
             "comm_bytes_by_op": {k: v["bytes"] for k, v in by_op.items()},
-            "comm_calls_by_op": {k: v["calls"] for k, v in by_op.items()}, "model_state_bytes": state_bytes,
+            "comm_calls_by_op": {k: v["calls"] for k, v in by_op.items()},
+            "comm_algorithm_by_op": {k: v["algorithm"] for k, v in by_op.items() if v["algorithm"]},
+            "model_state_bytes": state_bytes,
             "pipeline": pipeline.stats}
 
 

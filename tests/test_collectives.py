@@ -9,7 +9,9 @@ import pytest
 from mpi4py import MPI
 
 from minipar.comm import CollectiveMismatch, Communicator
-from minipar.comm.collectives import SMALL_MESSAGE_BYTES, all_reduce_bytes_sent, chunk_bounds
+from minipar.comm.collectives import (all_gather_bytes_sent, all_reduce_bytes_sent, chunk_bounds,
+                                      reduce_scatter_bytes_sent)
+from minipar.comm.tuning import ALGORITHMS
 from minipar.testing import run_ranks
 
 DTYPES = ["float16", "float32", "float64", "int32", "int64"]
@@ -18,7 +20,7 @@ _MPI_OPS = {"sum": MPI.SUM, "avg": MPI.SUM, "max": MPI.MAX}
 
 
 def _sizes(p):
-    big = SMALL_MESSAGE_BYTES // 8 + 3 * p + 1  # float64 above the threshold: the automatic choice picks the ring
+    big = (256 << 10) // 8 + 3 * p + 1  # 256 KiB of float64 and then some: where bandwidth-bound algorithms win
     return sorted({0, 1, max(p - 1, 1), p, 7, 13 * p + 5, 1000, big})
 
 
@@ -63,7 +65,7 @@ def _all_reduce_grid():
                 ref, abs_sum = _reference_reduce(comm.mpi, x, op)
                 if op == "max":
                     abs_sum = np.zeros_like(abs_sum)  # max is exact
-                for algorithm in ("ring", "recursive_doubling", None):
+                for algorithm in (*ALGORITHMS["all_reduce"][:3], None):
                     ours = x.copy()
                     assert comm.all_reduce(ours, op=op, algorithm=algorithm) is ours
                     _check_close(ours, ref, abs_sum, dtype, p, f"all_reduce {algorithm} {op} {dtype} n={n}")
@@ -85,8 +87,6 @@ def _reduce_scatter_and_all_gather_grid():
                     continue
                 x = _data(r, n, dtype)
                 before = x.copy()
-                ours = comm.reduce_scatter(x, op=op)
-                np.testing.assert_array_equal(x, before)  # input untouched
                 wide = x.astype(np.float64) if dtype.startswith("float") else x
                 ref = np.empty(counts[r], wide.dtype)
                 comm.mpi.Reduce_scatter(wide, ref, recvcounts=counts, op=_MPI_OPS[op])
@@ -94,20 +94,29 @@ def _reduce_scatter_and_all_gather_grid():
                     ref = ref / p
                 abs_sum = np.empty(counts[r])
                 comm.mpi.Reduce_scatter(np.abs(wide.astype(np.float64)), abs_sum, recvcounts=counts, op=MPI.SUM)
-                assert ours.shape == (counts[r],) and ours.dtype == np.dtype(dtype)
-                _check_close(ours, ref, abs_sum if op != "max" else 0 * abs_sum, dtype, p,
-                             f"reduce_scatter {op} {dtype} n={n}")
+                for algorithm in (*ALGORITHMS["reduce_scatter"], None):
+                    ours = comm.reduce_scatter(x, op=op, algorithm=algorithm)
+                    np.testing.assert_array_equal(x, before)  # input untouched
+                    assert ours.shape == (counts[r],) and ours.dtype == np.dtype(dtype)
+                    _check_close(ours, ref, abs_sum if op != "max" else 0 * abs_sum, dtype, p,
+                                 f"reduce_scatter {algorithm} {op} {dtype} n={n}")
+                    into = np.full(counts[r], 7, dtype)
+                    assert comm.reduce_scatter(x, op=op, algorithm=algorithm, out=into) is into
+                    np.testing.assert_array_equal(into, ours)
 
             # all-gather, equal and unequal contributions (Allgatherv as reference): bitwise
             local = _data(r, counts[r], dtype, seed=1)
-            ours = comm.all_gather(local, sizes=counts)
             ref = np.empty(n, dtype)
             comm.mpi.Allgatherv(local, [ref, counts])
-            np.testing.assert_array_equal(ours, ref)
             same = _data(r, 3, dtype, seed=2)
-            ref = np.empty(3 * p, dtype)
-            comm.mpi.Allgather(same, ref)
-            np.testing.assert_array_equal(comm.all_gather(same), ref)
+            ref_same = np.empty(3 * p, dtype)
+            comm.mpi.Allgather(same, ref_same)
+            for algorithm in (*ALGORITHMS["all_gather"], None):
+                np.testing.assert_array_equal(comm.all_gather(local, sizes=counts, algorithm=algorithm), ref)
+                np.testing.assert_array_equal(comm.all_gather(same, algorithm=algorithm), ref_same)
+                into = np.empty(n, dtype)
+                assert comm.all_gather(local, sizes=counts, algorithm=algorithm, out=into) is into
+                np.testing.assert_array_equal(into, ref)
 
 
 def _broadcast_reduce_barrier_grid():
@@ -119,7 +128,15 @@ def _broadcast_reduce_barrier_grid():
                 x = _data(r, n, dtype)
                 ref = x.copy()
                 comm.mpi.Bcast(ref, root=root)
-                np.testing.assert_array_equal(comm.broadcast(x, root=root), ref)
+                for algorithm in (*ALGORITHMS["broadcast"], None):
+                    np.testing.assert_array_equal(comm.broadcast(x.copy(), root=root, algorithm=algorithm), ref)
+    big = _data(r, 70001, "float64")  # 560 KB: several segments
+    ref = big.copy()
+    comm.mpi.Bcast(ref, root=p - 1)
+    np.testing.assert_array_equal(comm.broadcast(big, root=p - 1, algorithm="segmented"), ref)
+    for n in (0, 1, 5, 1000):
+        for dtype in DTYPES:
+            for root in sorted({0, p - 1, p // 2}):
 
                 x = _data(r, n, dtype, seed=3)
                 before = x.copy()
@@ -156,8 +173,9 @@ def _byte_accounting():
         c = [b1 - b0 for b0, b1 in zip(chunk_bounds(n, p)[:-1], chunk_bounds(n, p)[1:])]
         cases = {
             "ring": (lambda x: comm.all_reduce(x, algorithm="ring"), "all_reduce", (2 * n - c[r] - c[(r + 1) % p]), 2 * (p - 1) * n),
-            "rs": (lambda x: comm.reduce_scatter(x), "reduce_scatter", n - c[r], (p - 1) * n),
-            "ag": (lambda x: comm.all_gather(x[:c[0]], sizes=[c[0]] * p), "all_gather", (p - 1) * c[0], p * (p - 1) * c[0]),
+            "rs": (lambda x: comm.reduce_scatter(x, algorithm="ring"), "reduce_scatter", n - c[r], (p - 1) * n),
+            "ag": (lambda x: comm.all_gather(x[:c[0]], sizes=[c[0]] * p, algorithm="ring"), "all_gather",
+                   (p - 1) * c[0], p * (p - 1) * c[0]),
         }
         for key, (call, op, mine, total) in cases.items():
             comm.reset_stats()
@@ -175,17 +193,32 @@ def _byte_accounting():
             assert comm.stats["all_reduce"].bytes == (p.bit_length() - 1) * n * itemsize
     for key, (got, want) in totals.items():
         assert got == want, f"{key}: all ranks sent {got} bytes, formula {want}"
-    for n in (0, 1, 5, 12 * p + 5, SMALL_MESSAGE_BYTES // 8 + 7):
-        for algorithm in ("ring", "recursive_doubling", None):
+    for n in (0, 1, 5, 12 * p + 5, (64 << 10) // 8 + 7):
+        for algorithm in (*ALGORITHMS["all_reduce"][:3], None):
             comm.reset_stats()
             comm.all_reduce(np.ones(n), algorithm=algorithm)
-            assert comm.stats["all_reduce"].bytes == all_reduce_bytes_sent(n, 8, p, r, algorithm), (n, algorithm)
+            used = comm.stats["all_reduce"].algorithm
+            assert used == algorithm or algorithm is None
+            assert comm.stats["all_reduce"].bytes == all_reduce_bytes_sent(n, 8, p, r, used), (n, used)
+        b = chunk_bounds(n, p)
+        for algorithm in ALGORITHMS["reduce_scatter"]:
+            comm.reset_stats()
+            comm.reduce_scatter(np.ones(n), algorithm=algorithm)
+            assert comm.stats["reduce_scatter"].bytes == reduce_scatter_bytes_sent(b, 8, r, algorithm), (n, algorithm)
+        for algorithm in ALGORITHMS["all_gather"]:
+            comm.reset_stats()
+            comm.all_gather(np.ones(b[r + 1] - b[r]), sizes=np.diff(b).tolist(), algorithm=algorithm)
+            assert comm.stats["all_gather"].bytes == all_gather_bytes_sent(b, 8, r, algorithm), (n, algorithm)
+        if p & (p - 1) == 0 and n % p == 0:  # powers of two, even chunks: halving/doubling send what the ring sends
+            assert reduce_scatter_bytes_sent(b, 8, r, "recursive_halving") == (p - 1) * n * 8 // p
+            assert all_reduce_bytes_sent(n, 8, p, r, "rabenseifner") == 2 * (p - 1) * n * 8 // p
+            assert all_gather_bytes_sent(b, 8, r, "bruck") == (p - 1) * n * 8 // p
     comm.reset_stats()
     comm.all_reduce(np.ones(4))
     assert comm.stats["all_reduce"].calls == 1 and comm.stats["all_reduce"].seconds > 0
 
 
-@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_collectives_match_mpi(p):
     for fn in (_all_reduce_grid, _reduce_scatter_and_all_gather_grid, _broadcast_reduce_barrier_grid,
                _non_contiguous_and_multidimensional, _byte_accounting):
@@ -377,3 +410,79 @@ def _issue_order_with_submitted_work(seed, with_repro):
 def test_submitted_and_main_thread_collectives_keep_issue_order(p):
     for seed in range(3):
         run_ranks(p, _issue_order_with_submitted_work, seed, seed == 0, timeout=30)
+
+
+def _hierarchical(per_node):
+    """MINIPAR_RANKS_PER_NODE makes one machine several nodes: the hierarchical all-reduce against MPI, its
+    bytes against its three phases' formulas, and the cost model's choice of it when nodes are far apart."""
+    import dataclasses
+
+    comm = Communicator(MPI.COMM_WORLD.Dup())
+    p, r = comm.size, comm.rank
+    q, m = per_node, p // per_node
+    assert comm._node_ids() == [k // per_node for k in range(p)]
+    for n in (0, 1, q - 1, 7, 13 * p + 5, 40003):
+        for dtype in ("float32", "float64", "int64"):
+            for op in OPS:
+                if op == "avg" and dtype.startswith("int"):
+                    continue
+                x = _data(r, n, dtype)
+                ref, abs_sum = _reference_reduce(comm.mpi, x, op)
+                ours = x.copy()
+                comm.all_reduce(ours, op=op, algorithm="hierarchical")
+                _check_close(ours, ref, abs_sum if op != "max" else 0 * abs_sum, dtype, p, f"hierarchical {op} {dtype} {n}")
+                gathered = np.empty((p, n), dtype)
+                comm.mpi.Allgather(ours, gathered)
+                assert (gathered.view(np.uint8) == ours.view(np.uint8)).all(), "ranks disagree bitwise"
+        comm.reset_stats()
+        comm.all_reduce(np.ones(n), algorithm="hierarchical")
+        local, node_bounds = r % q, chunk_bounds(n, q)
+        chunk = node_bounds[local + 1] - node_bounds[local]
+        expected = (reduce_scatter_bytes_sent(node_bounds, 8, local, "ring")
+                    + all_reduce_bytes_sent(chunk, 8, m, r // q, comm.cross_algorithm(chunk * 8))
+                    + all_gather_bytes_sent(node_bounds, 8, local, "ring"))
+        assert comm.stats["all_reduce"].bytes == expected
+    if q == 1:  # one rank per node: the hierarchical algorithm is just its step across nodes
+        return
+    # between real nodes the links are slower: then the model picks the hierarchical algorithm by itself
+    comm._cost = dataclasses.replace(comm.cost_model(), alpha_inter=50e-6, beta_inter=1e-9)
+    comm._choices.clear()
+    x = np.full(1 << 18, r + 1.0)
+    comm.all_reduce(x)
+    assert comm.stats["all_reduce"].algorithm == "hierarchical" and (x == p * (p + 1) / 2).all()
+
+
+def _hierarchical_refused_on_uneven_nodes():
+    comm = Communicator(MPI.COMM_WORLD.Dup())
+    with pytest.raises(ValueError, match="several nodes with the same number of ranks"):
+        comm.all_reduce(np.ones(3), algorithm="hierarchical")
+    x = np.ones(1 << 16)
+    comm.all_reduce(x)  # the automatic choice never picks it here
+    assert comm.stats["all_reduce"].algorithm != "hierarchical" and (x == comm.size).all()
+
+
+@pytest.mark.parametrize("p,per_node", [(4, 2), (6, 2), (6, 3), (8, 2), (8, 4)])
+def test_hierarchical_all_reduce(p, per_node):
+    run_ranks(p, _hierarchical, per_node, timeout=120, env={"MINIPAR_RANKS_PER_NODE": str(per_node)})
+
+
+@pytest.mark.parametrize("p,per_node", [(5, 2), (3, 1), (4, 4)])
+def test_hierarchical_needs_even_nodes(p, per_node):
+    if p % per_node == 0 and p // per_node > 1:  # (3, 1): three one-rank nodes are even; the cross step is all
+        run_ranks(p, _hierarchical, per_node, timeout=120, env={"MINIPAR_RANKS_PER_NODE": str(per_node)})
+    else:
+        run_ranks(p, _hierarchical_refused_on_uneven_nodes, timeout=60, env={"MINIPAR_RANKS_PER_NODE": str(per_node)})
+
+
+def test_cost_model_choices():
+    from minipar.comm.tuning import CostModel
+
+    model = CostModel(alpha=5e-6, beta=1e-10, gamma=2e-10, alpha_inter=5e-6, beta_inter=1e-10)
+    assert model.best("all_reduce", 1024, 8) == "recursive_doubling"   # latency-bound
+    assert model.best("all_reduce", 64 << 20, 8) in ("ring", "rabenseifner")
+    assert model.best("all_gather", 1024, 7) == "bruck" and model.best("all_gather", 64 << 20, 2) == "ring"
+    assert model.best("reduce_scatter", 1024, 8) == "recursive_halving"
+    assert model.best("broadcast", 64 << 20, 8) == "segmented" and model.best("broadcast", 64, 8) == "binomial"
+    assert model.time("all_reduce", "hierarchical", 1 << 20, 8, nodes=1) == float("inf")
+    far = CostModel(alpha=5e-6, beta=1e-10, gamma=2e-10, alpha_inter=30e-6, beta_inter=1e-9)
+    assert far.best("all_reduce", 64 << 20, 16, nodes=2) == "hierarchical"

@@ -42,10 +42,12 @@ def test_matches_single_process(tmp_path, layout):
         assert (calls["tp_forward"], calls["tp_backward"]) == (2 * L, 2 * L)
         assert (calls["tp_embedding"], calls["tp_head"], calls["tp_cross_entropy"]) == (1, 1, 3)
         dp = 2 if "--dp" in layout else 1
-        activation = all_reduce_bytes_sent(B // dp * T * C, 8, tp, rank=0)  # one all-reduce of B·T·C elements
+        chosen = record["comm_algorithm_by_op"]  # the cost model's pick on this machine, per operation
+        activation = all_reduce_bytes_sent(B // dp * T * C, 8, tp, 0, chosen["tp_forward"])  # one of B·T·C elements
         assert record["comm_bytes_by_op"]["tp_forward"] == 2 * L * activation
         assert record["comm_bytes_by_op"]["tp_backward"] == 2 * L * activation
-        assert record["comm_bytes_by_op"]["tp_cross_entropy"] == 3 * all_reduce_bytes_sent(B // dp * T, 8, tp, rank=0)
+        assert record["comm_bytes_by_op"]["tp_cross_entropy"] == 3 * all_reduce_bytes_sent(
+            B // dp * T, 8, tp, 0, chosen["tp_cross_entropy"])
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -5,30 +5,31 @@ communicator of p ranks that offers ``sendrecv``/``send``/``recv`` (minipar.comm
 The buffer is cut into p chunks the way ``numpy.array_split`` cuts it — the first n mod p chunks
 one element longer — so any n works, including 0, 1 and n < p (some chunks are then empty).
 
-Costs in the α-β model (α: per-message latency, β: seconds per byte, n: bytes):
+Costs in the α-β-γ model (α: per-message latency, β: seconds per byte sent, γ: per byte reduced or
+copied; n: bytes; p' the largest power of two ≤ p, fold = 1 when p is not one):
 
-    ring reduce-scatter       p−1 steps   each rank sends (p−1)/p·n      T = (p−1)α + (p−1)/p·nβ
-    ring all-gather           p−1 steps   each rank sends (p−1)/p·n      T = (p−1)α + (p−1)/p·nβ
-    ring all-reduce           2(p−1)      each rank sends 2(p−1)/p·n     T = 2(p−1)α + 2(p−1)/p·nβ
-    recursive doubling        log₂p       each rank sends log₂p·n        T = log₂p·(α + nβ)
-    binomial broadcast/reduce ⌈log₂p⌉     the root sends/receives ⌈log₂p⌉·n
+    all-reduce     ring               2(p−1)α + 2(p−1)/p·nβ + (p−1)/p·nγ
+                   recursive doubling (log₂p' + 2fold)(α + nβ) + (log₂p' + fold)·nγ
+                   Rabenseifner       (2log₂p' + 2fold)α + (2(p'−1)/p' + 2fold)·nβ + ((p'−1)/p' + fold)·nγ
+                   hierarchical       ring RS + AG inside a node of q ranks, all-reduce of n/q across nodes
+    reduce-scatter ring               (p−1)α + (p−1)/p·n(β + γ)
+                   recursive halving  (log₂p' + 2fold)α + ((p'−1)/p' + fold)·n(β + γ)
+    all-gather     ring               (p−1)α + (p−1)/p·nβ
+                   Bruck              ⌈log₂p⌉α + (p−1)/p·nβ + nγ (the final rotation)
+    broadcast      binomial           ⌈log₂p⌉(α + nβ)
+                   segmented          (⌈log₂p⌉ + k − 1)(α + (n/k)β) with k segments
 
-Ring is bandwidth-optimal, recursive doubling latency-optimal; :data:`SMALL_MESSAGE_BYTES` picks
-between them. Every algorithm reduces in a fixed order, and both partners of an exchange combine
-the same two values (IEEE addition and max are commutative), so all ranks end with bitwise
-identical results — data-parallel replicas never drift apart.
+Ring is bandwidth-optimal, the doubling/halving/Bruck family latency-optimal; ``minipar/comm/tuning.py``
+measures α, β, γ and picks per call. Every algorithm reduces in a fixed order, and both partners of an
+exchange combine the same two values (IEEE addition and max are commutative), or one rank reduces a
+region and the others copy it, so all ranks end with bitwise identical results — data-parallel
+replicas never drift apart. ``*_bytes_sent`` give each algorithm's exact bytes per rank.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
-
-# Below this many bytes all-reduce uses recursive doubling. With 2(p−1) vs log₂p messages the
-# ring pays (2(p−1) − log₂p)·α more latency and saves (log₂p − 2(p−1)/p)·nβ bandwidth; on shared
-# memory here α ≈ 2-5 µs and β ≈ 0.1-0.2 ns/B, which puts the crossover at tens of KiB for p ≤ 8
-# (benchmarks/collectives.py measures it; MPICH's own default switch point is of the same order).
-SMALL_MESSAGE_BYTES = 64 * 1024
 
 REDUCE_OPS = {"sum": np.add, "avg": np.add, "max": np.maximum}
 
@@ -70,21 +71,71 @@ def chunk_bounds(n: int, p: int) -> list[int]:
     return bounds
 
 
-def all_reduce_bytes_sent(n: int, itemsize: int, p: int, rank: int, algorithm: str | None = None) -> int:
-    """Exactly how many bytes ``rank`` sends in an all-reduce of n elements (the formulas above, uneven chunks included)."""
-    if algorithm is None:
-        algorithm = "recursive_doubling" if n * itemsize <= SMALL_MESSAGE_BYTES else "ring"
+def all_reduce_bytes_sent(n: int, itemsize: int, p: int, rank: int, algorithm: str) -> int:
+    """Exactly how many bytes ``rank`` sends in an all-reduce of n elements by ``algorithm`` (uneven chunks
+    and the non-power-of-two fold included); the hierarchical one is the sum of its three phases."""
     if p == 1:
         return 0
     if algorithm == "ring":  # every chunk but its own in the reduce-scatter, all but its right neighbour's in the all-gather
         b = chunk_bounds(n, p)
         return (2 * n - (b[rank + 1] - b[rank]) - (b[(rank + 1) % p + 1] - b[(rank + 1) % p])) * itemsize
-    pof2 = 1 << (p.bit_length() - 1)
-    extra = p - pof2
-    rounds = pof2.bit_length() - 1
-    if rank < 2 * extra:  # a folded pair: the even rank sends once, the odd one sends its rounds and the result back
-        return n * itemsize if rank % 2 == 0 else (rounds + 1) * n * itemsize
-    return rounds * n * itemsize
+    pof2, extra = _fold(p)
+    v = _virtual(rank, extra)
+    if v < 0:  # an even rank of a folded pair sends its data once
+        return n * itemsize
+    folded = n if rank < 2 * extra else 0  # an odd one sends the result back
+    if algorithm == "recursive_doubling":
+        return ((pof2.bit_length() - 1) * n + folded) * itemsize
+    if algorithm == "rabenseifner":
+        regions = chunk_bounds(n, pof2)
+        return (_halving_bytes(regions, v) + _doubling_bytes(regions, v) + folded) * itemsize
+    raise ValueError(f"no byte formula for all-reduce algorithm {algorithm!r}")
+
+
+def reduce_scatter_bytes_sent(bounds: list[int], itemsize: int, rank: int, algorithm: str) -> int:
+    """Bytes ``rank`` sends in a reduce-scatter with chunk ``bounds`` (p + 1 offsets)."""
+    p, n = len(bounds) - 1, bounds[-1]
+    size = lambda i: bounds[i + 1] - bounds[i]  # noqa: E731
+    if p == 1:
+        return 0
+    if algorithm == "ring":
+        return (n - size(rank)) * itemsize
+    pof2, extra = _fold(p)
+    v = _virtual(rank, extra)
+    if v < 0:
+        return n * itemsize
+    regions = [bounds[_real(u, extra) - (1 if u < extra else 0)] for u in range(pof2)] + [n]
+    return (_halving_bytes(regions, v) + (size(rank - 1) if rank < 2 * extra else 0)) * itemsize
+
+
+def all_gather_bytes_sent(bounds: list[int], itemsize: int, rank: int, algorithm: str) -> int:
+    """Bytes ``rank`` sends in an all-gather of chunks with ``bounds``."""
+    p, n = len(bounds) - 1, bounds[-1]
+    if p == 1:
+        return 0
+    if algorithm == "ring":  # every chunk but its right neighbour's
+        right = (rank + 1) % p
+        return (n - (bounds[right + 1] - bounds[right])) * itemsize
+    sizes = [bounds[(rank + j) % p + 1] - bounds[(rank + j) % p] for j in range(p)]  # Bruck: prefixes of its order
+    sent, distance = 0, 1
+    while distance < p:
+        sent += sum(sizes[:min(distance, p - distance)])
+        distance <<= 1
+    return sent * itemsize
+
+
+def _halving_bytes(regions: list[int], v: int) -> int:
+    """Elements virtual rank v sends in :func:`_halving`: everything but its own region."""
+    return regions[-1] - (regions[v + 1] - regions[v])
+
+
+def _doubling_bytes(regions: list[int], v: int) -> int:
+    """Elements virtual rank v sends in :func:`_doubling_gather`: the 2ᵏ regions it holds in round k."""
+    sent, lo, mask = 0, v, 1
+    while mask < len(regions) - 1:
+        sent += regions[lo + mask] - regions[lo]
+        lo, mask = min(lo, lo ^ mask), mask << 1
+    return sent
 
 
 def _finish_avg(chunk: np.ndarray, op: str, p: int) -> None:
@@ -92,27 +143,42 @@ def _finish_avg(chunk: np.ndarray, op: str, p: int) -> None:
         chunk /= p
 
 
-def ring_reduce_scatter(comm: Any, buf: np.ndarray, op: str, tag: int, bounds: list[int] | None = None,
-                        codec: WireCodec | None = None) -> None:
-    """Afterwards chunk r of ``buf`` on rank r holds the reduction of every rank's chunk r.
+def ring_reduce_scatter(comm: Any, src: np.ndarray, op: str, tag: int, bounds: list[int] | None = None,
+                        codec: WireCodec | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """Rank r gets the reduction of every rank's chunk r of ``src``, in ``out`` (default: chunk r of ``src``
+    itself, so an all-reduce can follow in place); returns ``out``. ``src`` is otherwise left as it was.
 
-    Step s = 0 … p−2: send chunk (r−s−1) to the right neighbour, receive chunk (r−s−2) from the
-    left one and fold it into ours. A chunk travels once around the ring, gaining one rank's
-    contribution per hop, and arrives complete at its owner after p−1 hops. With a ``codec``
-    chunks travel encoded (16 bits) and are added in ``buf``'s precision.
+    Step s = 0 … p−2: send the partial sum of chunk (r−s−1) right — at s = 0 this rank's own chunk,
+    straight from ``src`` — receive the partial of chunk (r−s−2) from the left and add this rank's
+    chunk to it. A chunk travels once around the ring, gaining one rank's contribution per hop, and
+    arrives complete at its owner after p−1 hops. Scratch: two chunks (the running partial and the
+    incoming one), never a copy of the input. With a ``codec`` chunks travel encoded (16 bits) and
+    are added in ``src``'s precision. T = (p−1)α + (p−1)/p·nβ + (p−1)/p·nγ.
     """
     p, r = comm.size, comm.rank
-    bounds = bounds or chunk_bounds(buf.size, p)
+    bounds = bounds or chunk_bounds(src.size, p)
     reduce = REDUCE_OPS[op]
-    chunk = lambda i: buf[bounds[i]:bounds[i + 1]]  # noqa: E731
-    scratch = np.empty(max(bounds[i + 1] - bounds[i] for i in range(p)), dtype=codec.wire_dtype if codec else buf.dtype)
+    chunk = lambda i: src[bounds[i]:bounds[i + 1]]  # noqa: E731
+    size = lambda i: bounds[i + 1] - bounds[i]  # noqa: E731
+    out = chunk(r) if out is None else out
+    if p == 1:
+        if not np.shares_memory(out, src):
+            out[...] = chunk(0)
+        _finish_avg(out, op, p)
+        return out
+    width = max(size(i) for i in range(p))
+    partial = np.empty(width, src.dtype)
+    incoming = np.empty(width, codec.wire_dtype if codec else src.dtype)
     right, left = (r + 1) % p, (r - 1) % p
     for s in range(p - 1):
         send_i, recv_i = (r - s - 1) % p, (r - s - 2) % p
-        incoming = scratch[:bounds[recv_i + 1] - bounds[recv_i]]
-        comm.sendrecv(codec.encode(chunk(send_i)) if codec else chunk(send_i), right, incoming, left, tag)
-        reduce(chunk(recv_i), codec.decode(incoming, buf.dtype) if codec else incoming, out=chunk(recv_i))
-    _finish_avg(chunk(r), op, p)
+        send = chunk(send_i) if s == 0 else partial[:size(send_i)]
+        received = incoming[:size(recv_i)]
+        comm.sendrecv(codec.encode(send) if codec else send, right, received, left, tag)
+        target = out if s == p - 2 else partial[:size(recv_i)]  # the last chunk to arrive is this rank's
+        reduce(chunk(recv_i), codec.decode(received, src.dtype) if codec else received, out=target)
+    _finish_avg(out, op, p)
+    return out
 
 
 def ring_all_gather(comm: Any, buf: np.ndarray, tag: int, bounds: list[int] | None = None,
@@ -141,7 +207,7 @@ def ring_all_gather(comm: Any, buf: np.ndarray, tag: int, bounds: list[int] | No
 
 
 def ring_all_reduce(comm: Any, buf: np.ndarray, op: str, tag: int, codec: WireCodec | None = None) -> None:
-    """All-reduce = reduce-scatter + all-gather: 2(p−1) steps, each rank sends 2(p−1)/p·n bytes
+    """All-reduce = reduce-scatter + all-gather, in place: 2(p−1) steps, each rank sends 2(p−1)/p·n bytes
     (of the wire format's size per element when a ``codec`` is given)."""
     ring_reduce_scatter(comm, buf, op, tag, codec=codec)
     ring_all_gather(comm, buf, tag, codec=codec)
@@ -184,6 +250,171 @@ def recursive_doubling_all_reduce(comm: Any, buf: np.ndarray, op: str, tag: int)
         else:
             comm.recv(buf, r + 1, tag)
     _finish_avg(buf, op, p)
+
+
+def _fold(p: int) -> tuple[int, int]:
+    """(p', e): the largest power of two p' ≤ p and the e = p − p' ranks left over. The first 2e ranks
+    pair up (2i, 2i+1); the even one hands its data to the odd one and sits out, so p' ranks remain."""
+    pof2 = 1 << (p.bit_length() - 1)
+    return pof2, p - pof2
+
+
+def _virtual(r: int, extra: int) -> int:
+    """Rank r's number among the p' participating ranks (−1 for an even rank of a folded pair)."""
+    if r < 2 * extra:
+        return r // 2 if r % 2 else -1
+    return r - extra
+
+
+def _real(v: int, extra: int) -> int:
+    return 2 * v + 1 if v < extra else v + extra
+
+
+def _halving(comm: Any, buf: np.ndarray, op: str, tag: int, regions: list[int], v: int, extra: int) -> None:
+    """Recursive halving over the p' participating ranks: afterwards virtual rank v holds, in
+    ``buf[regions[v]:regions[v+1]]``, the reduction of that region over all of them. Round k (mask
+    p'/2, p'/4, … 1): keep the half of the current range that contains v, send the other half to
+    v XOR mask and add what it sends back. log₂p' rounds, (p'−1)/p' of the data sent."""
+    pof2 = len(regions) - 1
+    reduce = REDUCE_OPS[op]
+    lo, hi, mask = 0, pof2, pof2 >> 1
+    scratch = None
+    while mask:
+        mid = lo + mask
+        keep, give = ((lo, mid), (mid, hi)) if v < mid else ((mid, hi), (lo, mid))
+        mine = buf[regions[keep[0]]:regions[keep[1]]]
+        if scratch is None:
+            scratch = np.empty(mine.size, buf.dtype)  # the first round receives the most
+        incoming = scratch[:mine.size]
+        partner = _real(v ^ mask, extra)
+        comm.sendrecv(buf[regions[give[0]]:regions[give[1]]], partner, incoming, partner, tag)
+        reduce(mine, incoming, out=mine)
+        (lo, hi), mask = keep, mask >> 1
+
+
+def _doubling_gather(comm: Any, buf: np.ndarray, tag: int, regions: list[int], v: int, extra: int) -> None:
+    """The mirror of :func:`_halving` without reduction: virtual rank v holds region v; round k swaps
+    the 2ᵏ regions it has with v XOR 2ᵏ's, straight into place. log₂p' rounds, (p'−1)/p' of the data."""
+    pof2 = len(regions) - 1
+    lo, mask = v, 1
+    while mask < pof2:
+        theirs = lo ^ mask
+        partner = _real(v ^ mask, extra)
+        comm.sendrecv(buf[regions[lo]:regions[lo + mask]], partner, buf[regions[theirs]:regions[theirs + mask]],
+                      partner, tag)
+        lo, mask = min(lo, theirs), mask << 1
+
+
+def recursive_halving_reduce_scatter(comm: Any, buf: np.ndarray, op: str, tag: int,
+                                     bounds: list[int] | None = None) -> None:
+    """Afterwards chunk r of ``buf`` on rank r holds the reduction of every rank's chunk r (the rest of
+    ``buf`` is scratch). Non-powers of two fold first: in each of the e pairs the even rank sends its
+    whole buffer to the odd one (n), which then speaks for both chunks and returns the even rank's
+    chunk at the end. T = (log₂p' + 2[e>0])α + ((p'−1)/p'·n + [even: n])β + ((p'−1)/p' + [odd: 1])·nγ:
+    fewer messages than the ring (log₂p vs p−1), the same bytes when p is a power of two."""
+    p, r = comm.size, comm.rank
+    bounds = bounds or chunk_bounds(buf.size, p)
+    pof2, extra = _fold(p)
+    v = _virtual(r, extra)
+    if v < 0:
+        comm.send(buf, r + 1, tag)
+        comm.recv(buf[bounds[r]:bounds[r + 1]], r + 1, tag)
+        return
+    if r < 2 * extra:
+        incoming = np.empty_like(buf)
+        comm.recv(incoming, r - 1, tag)
+        REDUCE_OPS[op](buf, incoming, out=buf)
+    regions = [bounds[_real(u, extra) - (1 if u < extra else 0)] for u in range(pof2)] + [buf.size]
+    _halving(comm, buf, op, tag, regions, v, extra)
+    if r < 2 * extra:
+        _finish_avg(buf[bounds[r - 1]:bounds[r + 1]], op, p)
+        comm.send(buf[bounds[r - 1]:bounds[r]], r - 1, tag)
+    else:
+        _finish_avg(buf[bounds[r]:bounds[r + 1]], op, p)
+
+
+def rabenseifner_all_reduce(comm: Any, buf: np.ndarray, op: str, tag: int) -> None:
+    """Rabenseifner's all-reduce: recursive-halving reduce-scatter, then recursive-doubling all-gather,
+    over p' ranks after the fold (the even rank of each pair sends n to its partner first and gets the
+    result back last). T = 2log₂p'·α + 2(p'−1)/p'·nβ + (p'−1)/p'·nγ (+ 2α + 2nβ + nγ with a fold):
+    the ring's bandwidth with logarithmically many messages — the best of both for mid sizes."""
+    p, r = comm.size, comm.rank
+    pof2, extra = _fold(p)
+    v = _virtual(r, extra)
+    if v < 0:
+        comm.send(buf, r + 1, tag)
+        comm.recv(buf, r + 1, tag)
+        return
+    if r < 2 * extra:
+        incoming = np.empty_like(buf)
+        comm.recv(incoming, r - 1, tag)
+        REDUCE_OPS[op](buf, incoming, out=buf)
+    regions = chunk_bounds(buf.size, pof2)
+    _halving(comm, buf, op, tag, regions, v, extra)
+    _finish_avg(buf[regions[v]:regions[v + 1]], op, p)
+    _doubling_gather(comm, buf, tag, regions, v, extra)
+    if r < 2 * extra:
+        comm.send(buf, r - 1, tag)
+
+
+def bruck_all_gather(comm: Any, buf: np.ndarray, tag: int, bounds: list[int] | None = None) -> None:
+    """Bruck's all-gather: ⌈log₂p⌉ rounds for any p. A scratch buffer holds the chunks of ranks r, r+1, …
+    in that order; in round k (distance 2ᵏ) rank r sends its first min(2ᵏ, p−2ᵏ) chunks to r − 2ᵏ and
+    appends as many from r + 2ᵏ; a final rotation puts them in rank order.
+    T = ⌈log₂p⌉α + (p−1)/p·nβ (+ one local copy of n): the latency-optimal all-gather."""
+    p, r = comm.size, comm.rank
+    bounds = bounds or chunk_bounds(buf.size, p)
+    order = [(r + j) % p for j in range(p)]
+    offsets = [0]
+    for rank in order:
+        offsets.append(offsets[-1] + bounds[rank + 1] - bounds[rank])
+    rotated = np.empty(buf.size, buf.dtype)
+    rotated[:offsets[1]] = buf[bounds[r]:bounds[r + 1]]
+    distance = 1
+    while distance < p:
+        count = min(distance, p - distance)
+        comm.sendrecv(rotated[:offsets[count]], (r - distance) % p,
+                      rotated[offsets[distance]:offsets[distance + count]], (r + distance) % p, tag)
+        distance <<= 1
+    head = offsets[p - r]  # chunks r … p−1, then 0 … r−1
+    buf[bounds[r]:] = rotated[:head]
+    buf[:bounds[r]] = rotated[head:]
+
+
+def segmented_broadcast(comm: Any, buf: np.ndarray, root: int, tag: int, segment_bytes: int) -> None:
+    """The binomial tree of :func:`binomial_broadcast`, pipelined: the buffer goes in segments of
+    ``segment_bytes``; a rank forwards segment i (non-blocking) and receives segment i+1 meanwhile, so
+    the tree's levels work at once. With k segments of s bytes: T = (⌈log₂p⌉ + k − 1)(α + sβ) instead
+    of ⌈log₂p⌉(α + nβ) — for large n close to nβ, whatever the depth of the tree."""
+    p, r = comm.size, comm.rank
+    v = (r - root) % p
+    low = v & -v if v else 1 << p.bit_length()
+    parent = (v - low + root) % p if v else None
+    children = [(v + m + root) % p for m in (1 << j for j in range(p.bit_length() - 1, -1, -1)) if m < low and v + m < p]
+    step = max(1, segment_bytes // max(buf.itemsize, 1))
+    pending = []
+    for start in range(0, buf.size, step):
+        segment = buf[start:start + step]
+        if parent is not None:
+            comm.recv(segment, parent, tag)
+        pending += [comm.isend(segment, child, tag) for child in children]
+    for handle in pending:
+        handle.wait()
+
+
+def hierarchical_all_reduce(node: Any, cross: Any, buf: np.ndarray, op: str, tag: int, p: int,
+                            cross_all_reduce: Any) -> None:
+    """Two levels, for q ranks on each of m nodes (p = q·m): a ring reduce-scatter inside the node
+    (chunk i to local rank i), an all-reduce of that chunk across the nodes among the ranks with the same
+    local rank (``cross_all_reduce``), a ring all-gather inside the node. Only n/q bytes per rank cross
+    the slow links: T = 2(q−1)α_node + 2(q−1)/q·nβ_node + T_cross(n/q) + γ terms."""
+    bounds = chunk_bounds(buf.size, node.size)
+    mine = buf[bounds[node.rank]:bounds[node.rank + 1]]
+    ring_reduce_scatter(node, buf, "max" if op == "max" else "sum", tag, bounds)
+    cross_all_reduce(cross, mine, "max" if op == "max" else "sum", tag)
+    if op == "avg":
+        mine /= p
+    ring_all_gather(node, buf, tag, bounds)
 
 
 def binomial_broadcast(comm: Any, buf: np.ndarray, root: int, tag: int) -> None:

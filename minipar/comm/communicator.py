@@ -44,11 +44,28 @@ from mpi4py import MPI
 
 from minipar.backend import on_gpu, share_cores, to_host
 from minipar.comm import collectives as algo
+from minipar.comm import tuning
 
 COLLECTIVE_TAG_BASE = 1 << 16  # user point-to-point tags must stay below this
 _DEBUG_TAG, _VERDICT_TAG = COLLECTIVE_TAG_BASE - 2, COLLECTIVE_TAG_BASE - 1
 _SIGNATURE_BYTES = 4096
 _COMM_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+ALL_REDUCE = {"ring": algo.ring_all_reduce, "recursive_doubling": algo.recursive_doubling_all_reduce,
+              "rabenseifner": algo.rabenseifner_all_reduce}
+_SHARED_NODE = 0  # this process's node, from MPI_Comm_split_type(SHARED) when the world communicator is made
+
+
+def node_id() -> int:
+    """This rank's node: ``MINIPAR_RANKS_PER_NODE`` = k makes world ranks [ik, (i+1)k) node i (one machine
+    acting as several, for tests and tutorials); otherwise the shared-memory node MPI reports."""
+    per_node = os.environ.get("MINIPAR_RANKS_PER_NODE")
+    if per_node:
+        if not per_node.isdigit() or int(per_node) < 1:
+            raise ValueError(f"MINIPAR_RANKS_PER_NODE must be a positive integer, got {per_node!r}")
+        return MPI.COMM_WORLD.Get_rank() // int(per_node)
+    return _SHARED_NODE
 
 
 class CollectiveMismatch(RuntimeError):
@@ -60,6 +77,7 @@ class OpStats:
     calls: int = 0
     bytes: int = 0  # bytes this rank sent
     seconds: float = 0.0
+    algorithm: str | None = None  # the algorithm of the latest call (collectives that have several)
 
 
 class Handle:
@@ -123,12 +141,18 @@ class Communicator:
         self.debug = os.environ.get("MINIPAR_DEBUG", "0") not in ("", "0")
         self.debug_timeout = float(os.environ.get("MINIPAR_DEBUG_TIMEOUT", "60"))
         self._sequence = 0
+        self._nodes: list[int] | None = None      # node of every rank (first algorithm choice)
+        self._cost: tuning.CostModel | None = None
+        self._levels: Any = None                  # (node, cross) communicators, False: not hierarchical
+        self._choices: dict[tuple[str, int], str] = {}
         self._worker: _Worker | None = None
         self._local = threading.local()  # which operation the running thread is inside
         self._stats_lock = threading.Lock()
         if mpi_comm is None and self.size > 1:
+            global _SHARED_NODE
             node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
             share_cores(node.Get_size())
+            _SHARED_NODE = node.allreduce(self.rank, op=MPI.MIN)  # a node is named by its first world rank
             node.Free()
 
     def __repr__(self) -> str:
@@ -149,7 +173,7 @@ class Communicator:
 
     def reset_stats(self) -> None:
         with self._stats_lock:
-            self.stats = {}
+            self.stats.clear()  # cleared in place: sub-communicator views share the dict
 
     def bytes_sent(self, op: str | None = None) -> int:
         """Bytes this rank sent in operation ``op`` (every operation when None)."""
@@ -202,10 +226,12 @@ class Communicator:
         """Reduce ``x`` over all ranks, in place; every rank ends with the result (returns ``x``).
 
         ``algorithm``: "ring" (2(p−1)/p·n bytes sent per rank), "recursive_doubling" (log₂p·n),
-        or None to choose by size (recursive doubling up to ``SMALL_MESSAGE_BYTES``). ``label``
-        (every collective takes one) files the call's bytes and time under that name in ``stats``
-        instead of the operation's, e.g. "grads" vs "loss". ``wire`` ("float16" / "bfloat16") sends
-        a float buffer in 16 bits over the ring (accumulating in its own precision): half the bytes.
+        "rabenseifner" (2(p'−1)/p'·n in 2log₂p' messages), "hierarchical" (ring inside each node,
+        all-reduce of n/q across nodes), or None: the fastest by this machine's cost model
+        (``minipar/comm/tuning.py``). ``label`` (every collective takes one) files the call's bytes
+        and time under that name in ``stats`` instead of the operation's, e.g. "grads" vs "loss".
+        ``wire`` ("float16" / "bfloat16") sends a float buffer in 16 bits over the ring
+        (accumulating in its own precision): half the bytes.
         """
         self._check_op(op, x)
         if wire is not None:
@@ -214,46 +240,72 @@ class Communicator:
             codec = algo.WireCodec(wire)
             return self._collective("all_reduce", x, async_op, lambda buf, tag: algo.ring_all_reduce(self, buf, op, tag, codec),
                                     label, op=op, wire=wire)
-        if algorithm is None:
-            algorithm = "recursive_doubling" if x.nbytes <= algo.SMALL_MESSAGE_BYTES else "ring"
-        run = {"ring": algo.ring_all_reduce, "recursive_doubling": algo.recursive_doubling_all_reduce}[algorithm]
-        return self._collective("all_reduce", x, async_op, lambda buf, tag: run(self, buf, op, tag), label, op=op)
+        self._check_algorithm("all_reduce", algorithm)
 
-    def reduce_scatter(self, x: Any, op: str = "sum", async_op: bool = False, label: str | None = None) -> Any:
-        """Reduce ``x`` (flattened, n elements) over all ranks; rank r returns chunk r as a new 1-D array.
+        def run(buf: np.ndarray, tag: int) -> None:
+            chosen = self._algorithm("all_reduce", buf.nbytes, algorithm)
+            if chosen == "hierarchical":
+                node, cross = self._hierarchy()
+                algo.hierarchical_all_reduce(node, cross, buf, op, tag, self.size, self._cross_all_reduce)
+            else:
+                ALL_REDUCE[chosen](self, buf, op, tag)
 
-        Chunks follow ``numpy.array_split(n, p)``. Ring: p−1 steps, (p−1)/p·n bytes sent per rank.
-        ``x`` itself is left unchanged.
+        return self._collective("all_reduce", x, async_op, run, label, op=op)
+
+    def reduce_scatter(self, x: Any, op: str = "sum", async_op: bool = False, label: str | None = None,
+                       algorithm: str | None = None, out: Any = None) -> Any:
+        """Reduce ``x`` (flattened, n elements) over all ranks; rank r returns chunk r (a 1-D array, or ``out``).
+
+        Chunks follow ``numpy.array_split(n, p)``. ``x`` itself is left unchanged. "ring": p−1 steps,
+        (p−1)/p·n bytes sent per rank, two chunks of scratch; "recursive_halving": log₂p steps, the
+        same bytes for a power of two, one copy of ``x`` as scratch; None: by the cost model.
         """
         self._check_op(op, x)
+        self._check_algorithm("reduce_scatter", algorithm)
+        b = algo.chunk_bounds(x.size, self.size)
+        if out is not None and (out.shape != (b[self.rank + 1] - b[self.rank],) or out.dtype != x.dtype):
+            raise ValueError(f"reduce_scatter: out must be a ({b[self.rank + 1] - b[self.rank]},) {x.dtype} array")
 
         def run(buf: np.ndarray, tag: int) -> np.ndarray:
-            work = buf.copy()  # the ring reduces in place; x stays as it was
-            algo.ring_reduce_scatter(self, work, op, tag)
-            b = algo.chunk_bounds(work.size, self.size)
-            return work[b[self.rank]:b[self.rank + 1]].copy()  # a view would keep all n elements alive
+            target = out if out is not None and not on_gpu(out) else np.empty(b[self.rank + 1] - b[self.rank], buf.dtype)
+            if self._algorithm("reduce_scatter", buf.nbytes, algorithm) == "ring":
+                return algo.ring_reduce_scatter(self, buf, op, tag, b, out=target)
+            work = buf.copy()  # recursive halving uses the whole buffer as scratch
+            algo.recursive_halving_reduce_scatter(self, work, op, tag, b)
+            target[...] = work[b[self.rank]:b[self.rank + 1]]
+            return target
 
-        return self._collective("reduce_scatter", x, async_op, run, label, op=op, in_place=False)
+        result = self._collective("reduce_scatter", x, async_op, run, label, op=op, in_place=False)
+        return result if out is None or not on_gpu(out) or async_op else _copy_into(out, result)
 
     def all_gather(self, x: Any, sizes: list[int] | None = None, async_op: bool = False,
-                   label: str | None = None) -> Any:
-        """Concatenate every rank's ``x`` (flattened) in rank order; returns a new 1-D array on every rank.
+                   label: str | None = None, algorithm: str | None = None, out: Any = None) -> Any:
+        """Concatenate every rank's ``x`` (flattened) in rank order; returns a new 1-D array on every rank
+        (or fills ``out``, which saves allocating the result).
 
-        ``sizes[r]`` is rank r's element count (default: all equal to ``x.size``). Ring: p−1 steps,
-        each rank sends (p−1)/p·n bytes of the n-element result.
+        ``sizes[r]`` is rank r's element count (default: all equal to ``x.size``). "ring": p−1 steps,
+        each rank sends (p−1)/p·n bytes of the n-element result; "bruck": ⌈log₂p⌉ steps, the same
+        bytes, one local rotation; None: by the cost model.
         """
         sizes = [x.size] * self.size if sizes is None else list(sizes)
         if len(sizes) != self.size or sizes[self.rank] != x.size:
             raise ValueError(f"all_gather: sizes {sizes} must list {self.size} counts with sizes[{self.rank}] = {x.size}")
+        self._check_algorithm("all_gather", algorithm)
         bounds = [0, *np.cumsum(sizes).tolist()]
+        if out is not None and (out.shape != (bounds[-1],) or out.dtype != x.dtype):
+            raise ValueError(f"all_gather: out must be a ({bounds[-1]},) {x.dtype} array")
 
         def run(local: np.ndarray, tag: int) -> np.ndarray:
-            out = np.empty(bounds[-1], dtype=local.dtype)
-            out[bounds[self.rank]:bounds[self.rank + 1]] = local
-            algo.ring_all_gather(self, out, tag, bounds)
-            return out
+            result = out if out is not None and not on_gpu(out) else np.empty(bounds[-1], dtype=local.dtype)
+            result[bounds[self.rank]:bounds[self.rank + 1]] = local
+            if self._algorithm("all_gather", result.nbytes, algorithm) == "ring":
+                algo.ring_all_gather(self, result, tag, bounds)
+            else:
+                algo.bruck_all_gather(self, result, tag, bounds)
+            return result
 
-        return self._collective("all_gather", x, async_op, run, label, in_place=False, same_shape=False, sizes=sizes)
+        result = self._collective("all_gather", x, async_op, run, label, in_place=False, same_shape=False, sizes=sizes)
+        return result if out is None or not on_gpu(out) or async_op else _copy_into(out, result)
 
     def all_gather_bytes(self, data: bytes, label: str | None = None) -> list[bytes]:
         """Every rank's ``data`` (any length), in rank order, on every rank: an all-gather of the
@@ -263,11 +315,21 @@ class Communicator:
         offsets = np.cumsum([0] + sizes).tolist()
         return [everything[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
 
-    def broadcast(self, x: Any, root: int = 0, async_op: bool = False, label: str | None = None) -> Any:
-        """Root's ``x`` into every rank's ``x`` (binomial tree, ⌈log₂p⌉ rounds); returns ``x``."""
+    def broadcast(self, x: Any, root: int = 0, async_op: bool = False, label: str | None = None,
+                  algorithm: str | None = None) -> Any:
+        """Root's ``x`` into every rank's ``x``; returns ``x``. "binomial": ⌈log₂p⌉ rounds of n bytes;
+        "segmented": the same tree pipelined in segments (size chosen by the cost model); None: by the model."""
         self._check_root(root)
-        return self._collective("broadcast", x, async_op, lambda buf, tag: algo.binomial_broadcast(self, buf, root, tag),
-                                label, root=root)
+        self._check_algorithm("broadcast", algorithm)
+
+        def run(buf: np.ndarray, tag: int) -> None:
+            if self._algorithm("broadcast", buf.nbytes, algorithm) == "binomial":
+                algo.binomial_broadcast(self, buf, root, tag)
+            else:
+                algo.segmented_broadcast(self, buf, root, tag, self.cost_model().segment_bytes(buf.nbytes, self.size,
+                                                                                               self._node_count()))
+
+        return self._collective("broadcast", x, async_op, run, label, root=root)
 
     def reduce(self, x: Any, op: str = "sum", root: int = 0, async_op: bool = False, label: str | None = None) -> Any:
         """Reduce onto ``root``'s ``x`` in place (binomial tree); other ranks' ``x`` is unchanged."""
@@ -283,6 +345,74 @@ class Communicator:
     def barrier(self) -> None:
         """Returns on every rank only once all ranks have entered (dissemination, ⌈log₂p⌉ rounds)."""
         self._collective("barrier", np.empty(0, np.uint8), False, lambda buf, tag: algo.dissemination_barrier(self, tag), None)
+
+    # ---------------------------------------------------------------------- algorithm selection
+    def _check_algorithm(self, collective: str, algorithm: str | None) -> None:
+        if algorithm is not None and algorithm not in tuning.ALGORITHMS[collective]:
+            raise ValueError(f"unknown {collective} algorithm {algorithm!r}: expected one of "
+                             f"{list(tuning.ALGORITHMS[collective])} or None (automatic)")
+
+    def _algorithm(self, collective: str, nbytes: int, requested: str | None) -> str:
+        """The algorithm this call runs (every rank reaches the same answer), recorded in the op's stats."""
+        if requested is not None:
+            chosen = requested
+        elif self.size == 1:
+            chosen = tuning.ALGORITHMS[collective][0]
+        else:
+            key = (collective, nbytes)
+            chosen = self._choices.get(key)
+            if chosen is None:
+                chosen = self._choices[key] = self.cost_model().best(collective, nbytes, self.size, self._node_count())
+        if chosen == "hierarchical" and self._hierarchy() is None:
+            raise ValueError(f"hierarchical all-reduce needs several nodes with the same number of ranks each; "
+                             f"this {self.size}-rank communicator's ranks sit on nodes {self._node_ids()}")
+        with self._stats_lock:
+            self.stats.setdefault(self._op(), OpStats()).algorithm = chosen
+        return chosen
+
+    def _node_ids(self) -> list[int]:
+        """The node of every rank of this communicator (an all-gather on first use)."""
+        if self._nodes is None:
+            self._nodes = self.mpi.allgather(node_id())
+        return self._nodes
+
+    def _node_count(self) -> int:
+        return len(set(self._node_ids()))
+
+    def cost_model(self) -> tuning.CostModel:
+        """The α-β-γ model this communicator chooses algorithms by: the same numbers on every rank."""
+        if self._cost is None:
+            self._cost = tuning.agree(self.mpi, self._node_ids())
+        return self._cost
+
+    def _hierarchy(self) -> tuple[Communicator, Communicator] | None:
+        """(ranks on my node, ranks with my local index on every node), or None when the ranks do not sit on
+        several nodes of equal size. Both account their bytes in this communicator's stats."""
+        if self._levels is None:
+            nodes = self._node_ids()
+            order = list(dict.fromkeys(nodes))
+            counts = [nodes.count(n) for n in order]
+            if len(order) < 2 or len(set(counts)) > 1:
+                self._levels = False
+            else:
+                node_index = order.index(nodes[self.rank])
+                local = sum(1 for n in nodes[:self.rank] if n == nodes[self.rank])
+                self._levels = (self._view(self.mpi.Split(node_index, self.rank), f"{self.name}/node"),
+                                self._view(self.mpi.Split(local, self.rank), f"{self.name}/cross"))
+        return self._levels or None
+
+    def _view(self, mpi_comm: MPI.Comm, name: str) -> Communicator:
+        sub = Communicator(mpi_comm, name)
+        sub.stats, sub._stats_lock, sub._local, sub._cost = self.stats, self._stats_lock, self._local, self._cost
+        return sub
+
+    def cross_algorithm(self, nbytes: int) -> str:
+        """The hierarchical all-reduce's step across nodes for a chunk of ``nbytes``: ring or recursive doubling."""
+        nodes, model = self._node_count(), self.cost_model()
+        return min(("ring", "recursive_doubling"), key=lambda a: model.time("all_reduce", a, nbytes, nodes, nodes))
+
+    def _cross_all_reduce(self, cross: Communicator, buf: np.ndarray, op: str, tag: int) -> None:
+        ALL_REDUCE[self.cross_algorithm(buf.nbytes)](cross, buf, op, tag)
 
     # ------------------------------------------------------------------------------- machinery
     def _check_op(self, op: str, x: Any) -> None:
@@ -436,6 +566,11 @@ def _call_site() -> str:
         if not os.path.abspath(frame.filename).startswith(_COMM_DIR):
             return f"{os.path.basename(frame.filename)}:{frame.lineno}"
     return "?"
+
+
+def _copy_into(out: Any, result: Any) -> Any:
+    out[...] = result
+    return out
 
 
 def _like(x: Any, host: np.ndarray) -> Any:

@@ -141,7 +141,7 @@ class ZeRO(ReplicatedModel, Optimizer):
         """All-gather a unit's parameters: p.data becomes a view of the full flat buffer."""
         if shard.gathered:
             return
-        full = self.comm.all_gather(shard.params, sizes=shard.sizes, label="params")
+        full = self.comm.all_gather(shard.params, sizes=shard.sizes, algorithm="ring", label="params")
         for i, p in enumerate(shard.bucket.params):
             p.data = shard.bucket.slot(full, i)
         shard.gathered = True
@@ -169,7 +169,8 @@ class ZeRO(ReplicatedModel, Optimizer):
     def _launch(self, shard: Shard) -> None:
         grads = [p.grad if p.grad is not None else xp.zeros(shape, shard.bucket.dtype)
                  for p, shape in zip(shard.bucket.params, shard.bucket.shapes)]
-        shard.pending.append(self.comm.reduce_scatter(shard.bucket.flatten(grads), op="avg", async_op=True, label="grads"))
+        shard.pending.append(self.comm.reduce_scatter(shard.bucket.flatten(grads), op="avg", async_op=True,
+                                                      algorithm="ring", label="grads"))
         shard.ready = 0
         if self.stage >= 2:
             for p in shard.bucket.params:
@@ -209,7 +210,8 @@ class ZeRO(ReplicatedModel, Optimizer):
                 adamw_update(shard.params, shard.grad, shard.m, shard.v, step=self.step_count, lr=self.lr,
                              beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=shard.weight_decay)
         if self.stage < 3:
-            handles = [self.comm.all_gather(s.params, sizes=s.sizes, async_op=True, label="params") for s in self.shards]
+            handles = [self.comm.all_gather(s.params, sizes=s.sizes, async_op=True, algorithm="ring", label="params")
+                       for s in self.shards]
             for shard, handle in zip(self.shards, handles):
                 shard.flat[...] = handle.wait()
 
