@@ -11,7 +11,9 @@ algbw = S / t (S: the full buffer — all-reduce's vector, all-gather's output, 
 busbw = algbw · F with F = 2(p−1)/p for all-reduce, (p−1)/p for reduce-scatter and all-gather,
 1 for broadcast: the bandwidth each link must sustain, comparable across p. Times are the median
 of ``--iters`` runs, each started after a barrier, measured as the slowest rank's time. minipar's
-reduce-scatter and all-gather write into preallocated outputs (``out=``), as MPI's do.
+reduce-scatter and all-gather write into preallocated outputs (``out=``), as MPI's do; all-gather runs in
+place on both sides (this rank's block already in the output: ``MPI_IN_PLACE``), as ZeRO-3 and
+sequence parallelism use it.
 """
 from __future__ import annotations
 
@@ -36,12 +38,14 @@ def cases(comm: Communicator, op: str, n: int):
     """(minipar call taking algorithm=, MPI call) on an n-element float32 vector S."""
     p, mpi = comm.size, comm.mpi
     x, y = np.ones(n, np.float32), np.empty(n, np.float32)
-    part, whole = np.ones(n // p, np.float32), np.empty(p * (n // p), np.float32)
+    part, whole = np.ones(n // p, np.float32), np.ones(p * (n // p), np.float32)
+    mine = whole[comm.rank * (n // p):(comm.rank + 1) * (n // p)]
     return {
         "all_reduce": (lambda alg: comm.all_reduce(x, algorithm=alg), lambda: mpi.Allreduce(x, y)),
         "reduce_scatter": (lambda alg: comm.reduce_scatter(whole, algorithm=alg, out=part),
                            lambda: mpi.Reduce_scatter_block(whole, part)),
-        "all_gather": (lambda alg: comm.all_gather(part, algorithm=alg, out=whole), lambda: mpi.Allgather(part, whole)),
+        "all_gather": (lambda alg: comm.all_gather(mine, algorithm=alg, out=whole),
+                       lambda: mpi.Allgather(MPI.IN_PLACE, whole)),
         "broadcast": (lambda alg: comm.broadcast(x, algorithm=alg), lambda: mpi.Bcast(x)),
     }[op]
 

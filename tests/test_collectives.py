@@ -415,7 +415,7 @@ def test_submitted_and_main_thread_collectives_keep_issue_order(p):
 def _hierarchical(per_node):
     """MINIPAR_RANKS_PER_NODE makes one machine several nodes: the hierarchical all-reduce against MPI, its
     bytes against its three phases' formulas, and the cost model's choice of it when nodes are far apart."""
-    import dataclasses
+    from minipar.comm.tuning import CostModel
 
     comm = Communicator(MPI.COMM_WORLD.Dup())
     p, r = comm.size, comm.rank
@@ -445,7 +445,7 @@ def _hierarchical(per_node):
     if q == 1:  # one rank per node: the hierarchical algorithm is just its step across nodes
         return
     # between real nodes the links are slower: then the model picks the hierarchical algorithm by itself
-    comm._cost = dataclasses.replace(comm.cost_model(), alpha_inter=50e-6, beta_inter=1e-9)
+    comm._cost = CostModel(alpha=5e-6, beta=1e-10, gamma=2e-10, alpha_inter=50e-6, beta_inter=1e-9)
     comm._choices.clear()
     x = np.full(1 << 18, r + 1.0)
     comm.all_reduce(x)
@@ -486,3 +486,21 @@ def test_cost_model_choices():
     assert model.time("all_reduce", "hierarchical", 1 << 20, 8, nodes=1) == float("inf")
     far = CostModel(alpha=5e-6, beta=1e-10, gamma=2e-10, alpha_inter=30e-6, beta_inter=1e-9)
     assert far.best("all_reduce", 64 << 20, 16, nodes=2) == "hierarchical"
+
+
+def _in_place_all_gather():
+    comm = Communicator()
+    p, r = comm.size, comm.rank
+    counts = [3 * k + 1 for k in range(p)]
+    offsets = np.cumsum([0, *counts])
+    out = np.full(offsets[-1], -1.0)
+    out[offsets[r]:offsets[r + 1]] = r
+    for algorithm in ALGORITHMS["all_gather"]:
+        result = comm.all_gather(out[offsets[r]:offsets[r + 1]], sizes=counts, algorithm=algorithm, out=out)
+        assert result is out
+        np.testing.assert_array_equal(out, np.repeat(np.arange(p, dtype=float), counts))
+
+
+@pytest.mark.parametrize("p", [1, 3, 4])
+def test_in_place_all_gather(p):
+    run_ranks(p, _in_place_all_gather, timeout=60)

@@ -13,7 +13,7 @@ copied; n: bytes; p' the largest power of two ≤ p, fold = 1 when p is not one)
                    Rabenseifner       (2log₂p' + 2fold)α + (2(p'−1)/p' + 2fold)·nβ + ((p'−1)/p' + fold)·nγ
                    hierarchical       ring RS + AG inside a node of q ranks, all-reduce of n/q across nodes
     reduce-scatter ring               (p−1)α + (p−1)/p·n(β + γ)
-                   recursive halving  (log₂p' + 2fold)α + ((p'−1)/p' + fold)·n(β + γ)
+                   recursive halving  (log₂p' + 2fold)α + ((p'−1)/p' + fold)·n(β + γ) + nγ (its scratch copy)
     all-gather     ring               (p−1)α + (p−1)/p·nβ
                    Bruck              ⌈log₂p⌉α + (p−1)/p·nβ + nγ (the final rotation)
     broadcast      binomial           ⌈log₂p⌉(α + nβ)

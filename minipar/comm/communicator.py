@@ -164,12 +164,17 @@ class Communicator:
         return Communicator(sub, name or f"{self.name}/{color}")
 
     # ------------------------------------------------------------------------------ accounting
-    def _record(self, op: str, nbytes: int = 0, seconds: float = 0.0, call: bool = False) -> None:
+    def _record(self, op: str, nbytes: int = 0, seconds: float = 0.0, call: bool = False,
+                algorithm: str | None = None) -> None:
         with self._stats_lock:
-            s = self.stats.setdefault(op, OpStats())
+            s = self.stats.get(op)
+            if s is None:
+                s = self.stats[op] = OpStats()
             s.bytes += nbytes
             s.seconds += seconds
-            s.calls += int(call)
+            s.calls += call
+            if algorithm is not None:
+                s.algorithm = algorithm
 
     def reset_stats(self) -> None:
         with self._stats_lock:
@@ -187,7 +192,7 @@ class Communicator:
     def sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int, tag: int) -> None:
         """Send ``send`` to ``dest`` while receiving ``recv`` from ``source`` (contiguous host arrays)."""
         self.mpi.Sendrecv([send, MPI.BYTE], dest, tag, [recv, MPI.BYTE], source, tag)
-        self._record(self._op(), send.nbytes)
+        self._record(getattr(self._local, "op", None) or "p2p", send.nbytes)
 
     def send(self, x: Any, dest: int, tag: int = 0, label: str | None = None) -> None:
         """Blocking send of an xp array (cupy arrays are staged through the host); bytes filed under ``label``."""
@@ -283,7 +288,8 @@ class Communicator:
         """Concatenate every rank's ``x`` (flattened) in rank order; returns a new 1-D array on every rank
         (or fills ``out``, which saves allocating the result).
 
-        ``sizes[r]`` is rank r's element count (default: all equal to ``x.size``). "ring": p−1 steps,
+        In place: when ``x`` already is this rank's slice of ``out`` (``out[offset:offset + x.size]``), nothing
+        is copied. ``sizes[r]`` is rank r's element count (default: all equal to ``x.size``). "ring": p−1 steps,
         each rank sends (p−1)/p·n bytes of the n-element result; "bruck": ⌈log₂p⌉ steps, the same
         bytes, one local rotation; None: by the cost model.
         """
@@ -297,7 +303,9 @@ class Communicator:
 
         def run(local: np.ndarray, tag: int) -> np.ndarray:
             result = out if out is not None and not on_gpu(out) else np.empty(bounds[-1], dtype=local.dtype)
-            result[bounds[self.rank]:bounds[self.rank + 1]] = local
+            mine = result[bounds[self.rank]:bounds[self.rank + 1]]
+            if mine.size and mine.ctypes.data != local.ctypes.data:  # in place: already there
+                mine[...] = local
             if self._algorithm("all_gather", result.nbytes, algorithm) == "ring":
                 algo.ring_all_gather(self, result, tag, bounds)
             else:
@@ -366,8 +374,7 @@ class Communicator:
         if chosen == "hierarchical" and self._hierarchy() is None:
             raise ValueError(f"hierarchical all-reduce needs several nodes with the same number of ranks each; "
                              f"this {self.size}-rank communicator's ranks sit on nodes {self._node_ids()}")
-        with self._stats_lock:
-            self.stats.setdefault(self._op(), OpStats()).algorithm = chosen
+        self._local.algorithm = chosen  # recorded with the call's time
         return chosen
 
     def _node_ids(self) -> list[int]:
@@ -418,7 +425,7 @@ class Communicator:
     def _check_op(self, op: str, x: Any) -> None:
         if op not in algo.REDUCE_OPS:
             raise ValueError(f"unknown reduction {op!r}: expected one of {sorted(algo.REDUCE_OPS)}")
-        if op == "avg" and not np.issubdtype(x.dtype, np.floating):
+        if op == "avg" and x.dtype.kind not in "fc":
             raise TypeError(f"op='avg' needs a floating-point array, got {x.dtype}")
 
     def _check_root(self, root: int) -> None:
@@ -442,22 +449,23 @@ class Communicator:
             sequence = self._sequence
             self._sequence += 1
             tag = COLLECTIVE_TAG_BASE + sequence % (1 << 14)
-            self._local.op = key
+            self._local.op, self._local.algorithm = key, None
             start = time.perf_counter()
             try:
                 if self.debug:
                     self._verify_signature({"seq": sequence, "op": name, "dtype": str(x.dtype),
                                             "shape": list(x.shape) if same_shape else None, "details": dict(details),
                                             "site": site})
-                buf = np.ascontiguousarray(to_host(x)).reshape(-1)  # a view of x when x is contiguous on the host
+                host = type(x) is np.ndarray and x.flags.c_contiguous  # the common case, checked cheaply
+                buf = x.reshape(-1) if host else np.ascontiguousarray(to_host(x)).reshape(-1)  # a view when it can be
                 result = run(buf, tag)
                 if not in_place:
-                    return _like(x, result)
-                if on_gpu(x) or not x.flags.c_contiguous:
+                    return result if host else _like(x, result)
+                if not host:
                     x[...] = _like(x, buf.reshape(x.shape))
                 return x
             finally:
-                self._record(key, seconds=time.perf_counter() - start, call=True)
+                self._record(key, seconds=time.perf_counter() - start, call=True, algorithm=self._local.algorithm)
                 self._local.op = None
 
         if async_op:

@@ -1,7 +1,8 @@
 """Choosing a collective's algorithm: the α-β-γ cost model, measured once per machine and world size.
 
-    α  seconds per message (latency)          measured: ping-pong of 8 bytes between two ranks
-    β  seconds per byte on the wire           measured: ping-pong of 4 MiB, minus α
+    α  seconds per message                    measured: one exchange step of 8 bytes between two ranks,
+                                              from Python (latency + the per-step software cost)
+    β  seconds per byte on the wire           measured: the same step with 4 MiB, minus α and γ
     γ  seconds per byte reduced or copied     measured: numpy adds of 1 MiB buffers
 
 For a communicator spanning several nodes, the flat algorithms are charged the links between nodes
@@ -73,8 +74,8 @@ class CostModel:
         if collective == "reduce_scatter":
             if algorithm == "ring":
                 return (p - 1) * a + (p - 1) / p * n * (b + g)
-            if algorithm == "recursive_halving":
-                return (lg + 2 * fold) * a + (share + fold) * n * (b + g)
+            if algorithm == "recursive_halving":  # + the copy of the input it works in
+                return (lg + 2 * fold) * a + (share + fold) * n * (b + g) + n * g
         if collective == "all_gather":
             if algorithm == "ring":
                 return (p - 1) * a + (p - 1) / p * n * b
@@ -115,24 +116,22 @@ def _load(path: str) -> CostModel | None:
         return None
 
 
-def _pingpong(mpi: Any, a: int, b: int, nbytes: int, reps: int) -> float:
-    """Half the round-trip time of ``nbytes`` between ranks a and b of ``mpi`` (on rank a; 0 elsewhere)."""
-    buf = np.zeros(max(nbytes, 1), np.uint8)[:nbytes]
+def _exchange(mpi: Any, a: int, b: int, nbytes: int, reps: int) -> float:
+    """The median time of one algorithm step between ranks a and b of ``mpi`` — a Sendrecv of ``nbytes``
+    each way plus adding what arrived, from Python as the algorithms do it — on rank a (0 elsewhere).
+    So α includes the per-message software cost an algorithm pays, not only the wire's latency."""
+    send, recv = np.zeros(nbytes // 4, np.float32), np.zeros(nbytes // 4, np.float32)
     r = mpi.Get_rank()
     if r not in (a, b):
         return 0.0
     other = b if r == a else a
-    best = math.inf
+    times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        if r == a:
-            mpi.Send([buf, MPI.BYTE], other, 7)
-            mpi.Recv([buf, MPI.BYTE], other, 7)
-        else:
-            mpi.Recv([buf, MPI.BYTE], other, 7)
-            mpi.Send([buf, MPI.BYTE], other, 7)
-        best = min(best, (time.perf_counter() - t0) / 2)
-    return best
+        mpi.Sendrecv([send, MPI.BYTE], other, 7, [recv, MPI.BYTE], other, 7)
+        np.add(send, recv, out=recv)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def measure(mpi: Any, node_of: list[int]) -> CostModel:
@@ -146,17 +145,17 @@ def measure(mpi: Any, node_of: list[int]) -> CostModel:
         def link(partner: int | None) -> tuple[float, float]:
             if partner is None:
                 return 0.0, 0.0
-            alpha = _pingpong(probe, 0, partner, 8, 30)
+            alpha = _exchange(probe, 0, partner, 8, 50)
             big = 4 << 20
-            return alpha, max(_pingpong(probe, 0, partner, big, 5) - alpha, 0.0) / big
+            return alpha, max(_exchange(probe, 0, partner, big, 5) - alpha - big * gamma, 0.0) / big
 
-        alpha, beta = link(near)
-        alpha_inter, beta_inter = link(far)
         x, y = np.ones(1 << 18, np.float32), np.ones(1 << 18, np.float32)
         t0 = time.perf_counter()
         for _ in range(20):
             np.add(x, y, out=x)
         gamma = (time.perf_counter() - t0) / 20 / x.nbytes
+        alpha, beta = link(near)
+        alpha_inter, beta_inter = link(far)
         if near is None:  # every rank on its own node: the inter-node link is the only one
             alpha, beta = alpha_inter, beta_inter
         if far is None:
