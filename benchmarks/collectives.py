@@ -8,8 +8,8 @@ and nccl-tests' bandwidth definitions.
 Per (op, size) it prints the algorithm the cost model chose and its time, the fastest algorithm and its
 time, MPI's time, the ratio auto/MPI, and busbw of the automatic choice and of MPI.
 algbw = S / t (S: the full buffer — all-reduce's vector, all-gather's output, reduce-scatter's input);
-busbw = algbw · F with F = 2(p−1)/p for all-reduce, (p−1)/p for reduce-scatter and all-gather,
-1 for broadcast: the bandwidth each link must sustain, comparable across p. Times are the median
+busbw = algbw · F with F = 2(p−1)/p for all-reduce, (p−1)/p for reduce-scatter, all-gather and
+all-to-all, 1 for broadcast: the bandwidth each link must sustain, comparable across p. Times are the median
 of ``--iters`` runs, each started after a barrier, measured as the slowest rank's time. minipar's
 reduce-scatter and all-gather write into preallocated outputs (``out=``), as MPI's do; all-gather runs in
 place on both sides (this rank's block already in the output: ``MPI_IN_PLACE``), as ZeRO-3 and
@@ -31,7 +31,7 @@ from minipar.comm import Communicator  # noqa: E402
 from minipar.comm.tuning import ALGORITHMS  # noqa: E402
 
 BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
-              "all_gather": lambda p: (p - 1) / p, "broadcast": lambda p: 1.0}
+              "all_gather": lambda p: (p - 1) / p, "broadcast": lambda p: 1.0, "all_to_all": lambda p: (p - 1) / p}
 
 
 def cases(comm: Communicator, op: str, n: int):
@@ -47,6 +47,7 @@ def cases(comm: Communicator, op: str, n: int):
         "all_gather": (lambda alg: comm.all_gather(mine, algorithm=alg, out=whole),
                        lambda: mpi.Allgather(MPI.IN_PLACE, whole)),
         "broadcast": (lambda alg: comm.broadcast(x, algorithm=alg), lambda: mpi.Bcast(x)),
+        "all_to_all": (lambda alg: comm.all_to_all(whole, algorithm=alg), lambda: mpi.Alltoall(whole, x[:whole.size])),
     }[op]
 
 

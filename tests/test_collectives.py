@@ -504,3 +504,52 @@ def _in_place_all_gather():
 @pytest.mark.parametrize("p", [1, 3, 4])
 def test_in_place_all_gather(p):
     run_ranks(p, _in_place_all_gather, timeout=60)
+
+
+def _all_to_all_grid():
+    """all_to_all and all_to_all_v against MPI's Alltoall/Alltoallv: equal blocks of 0, 1, 3 and 100 elements,
+    uneven counts with zeros, n < p, int and float dtypes, both algorithms, async; bytes against the formulas."""
+    from minipar.comm.collectives import all_to_all_bytes_sent
+
+    comm = Communicator()
+    p, r = comm.size, comm.rank
+    for dtype in ("float32", "float64", "int32", "int64"):
+        for c in (0, 1, 3, 100):
+            x = _data(r, p * c, dtype, seed=c)
+            ref = np.empty_like(x)
+            comm.mpi.Alltoall(x, ref)
+            for algorithm in (*ALGORITHMS["all_to_all"], None):
+                comm.reset_stats()
+                np.testing.assert_array_equal(comm.all_to_all(x, algorithm=algorithm), ref)
+                used = comm.stats["all_to_all"].algorithm
+                assert comm.stats["all_to_all"].bytes == all_to_all_bytes_sent([c] * p, x.itemsize, r, used)
+            handle = comm.all_to_all(x.reshape(p, c), async_op=True)
+            np.testing.assert_array_equal(handle.wait(), ref)
+        rng = np.random.default_rng((7, r))
+        for pattern in ("random", "zeros", "tiny"):
+            if pattern == "random":
+                send = rng.integers(0, 6, p)
+            elif pattern == "zeros":
+                send = np.where(np.arange(p) % 2 == r % 2, 0, rng.integers(1, 4, p))
+            else:  # n < p: at most one element to one rank
+                send = np.zeros(p, np.int64)
+                send[(r + 1) % p] = 1 if r % 2 == 0 else 0
+            x = _data(r, int(send.sum()), dtype, seed=11)
+            recv = np.empty(p, np.int64)
+            comm.mpi.Alltoall(send.astype(np.int64), recv)
+            ref = np.empty(int(recv.sum()), dtype)
+            comm.mpi.Alltoallv([x, send.tolist()], [ref, recv.tolist()])
+            comm.reset_stats()
+            np.testing.assert_array_equal(comm.all_to_all_v(x, send.tolist()), ref)
+            assert comm.stats["all_to_all_v"].bytes == all_to_all_bytes_sent(send.tolist(), x.itemsize, r, "pairwise")
+            np.testing.assert_array_equal(comm.all_to_all_v(x, send.tolist(), recv.tolist(), async_op=True).wait(), ref)
+    if p > 1:
+        with pytest.raises(ValueError, match="equal blocks"):
+            comm.all_to_all(np.ones(p + 1))
+    with pytest.raises(ValueError, match="summing to x.size"):
+        comm.all_to_all_v(np.ones(3), [1] * p if p != 3 else [2] * p)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_all_to_all_matches_mpi(p):
+    run_ranks(p, _all_to_all_grid, timeout=120)

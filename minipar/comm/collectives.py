@@ -18,6 +18,9 @@ copied; n: bytes; p' the largest power of two ≤ p, fold = 1 when p is not one)
                    Bruck              ⌈log₂p⌉α + (p−1)/p·nβ + nγ (the final rotation)
     broadcast      binomial           ⌈log₂p⌉(α + nβ)
                    segmented          (⌈log₂p⌉ + k − 1)(α + (n/k)β) with k segments
+    all-to-all     pairwise           (p−1)α + (p−1)/p·nβ (any counts)
+                   Bruck              2⌈log₂p⌉α + ⌈log₂p⌉·(n/2)(β + 2γ) + 2nγ (equal blocks; per round
+                                      a gather and a scatter of the blocks it moves besides the message)
 
 Ring is bandwidth-optimal, the doubling/halving/Bruck family latency-optimal; ``minipar/comm/tuning.py``
 measures α, β, γ and picks per call. Every algorithm reduces in a fixed order, and both partners of an
@@ -415,6 +418,60 @@ def hierarchical_all_reduce(node: Any, cross: Any, buf: np.ndarray, op: str, tag
     if op == "avg":
         mine /= p
     ring_all_gather(node, buf, tag, bounds)
+
+
+def pairwise_all_to_all(comm: Any, src: np.ndarray, out: np.ndarray, send_bounds: list[int],
+                        recv_bounds: list[int], tag: int) -> None:
+    """Rank r's block j of ``src`` (``send_bounds``) to rank j's block r of ``out`` (``recv_bounds``).
+
+    Round k = 1 … p−1: send the block for r + k while receiving the one from r − k; this rank's own
+    block is copied. Any p, any counts (zeros too): T = (p−1)α + (n − own)β; each rank sends every
+    byte but its own block's, once — the bandwidth-optimal all-to-all."""
+    p, r = comm.size, comm.rank
+    out[recv_bounds[r]:recv_bounds[r + 1]] = src[send_bounds[r]:send_bounds[r + 1]]
+    for k in range(1, p):
+        dest, source = (r + k) % p, (r - k) % p
+        comm.sendrecv(src[send_bounds[dest]:send_bounds[dest + 1]], dest,
+                      out[recv_bounds[source]:recv_bounds[source + 1]], source, tag)
+
+
+def bruck_all_to_all(comm: Any, src: np.ndarray, out: np.ndarray, tag: int) -> None:
+    """Bruck's all-to-all for equal blocks of c = n/p elements: ⌈log₂p⌉ rounds instead of p−1.
+
+    Rotate so that block i is the one for rank r + i; in round k (bit b = 2ᵏ) send every block whose
+    index has bit b set to rank r + b and receive as many from r − b into the same places — a block
+    travels i hops in total, to its destination; then block i holds what rank r − i sent, and a
+    second rotation puts the blocks in source order. T = 2⌈log₂p⌉α + ⌈log₂p⌉·(n/2)(β + 2γ) + 2nγ (each
+    round gathers and scatters its blocks besides the message): fewer messages, more bytes — the choice
+    for small blocks on many ranks."""
+    p, r = comm.size, comm.rank
+    c = src.size // p
+    blocks = src.reshape(p, c)
+    rotated = np.concatenate([blocks[r:], blocks[:r]])  # block i: for rank r + i
+    bit = 1
+    while bit < p:
+        chosen = [i for i in range(p) if i & bit]
+        outgoing = np.ascontiguousarray(rotated[chosen])
+        incoming = np.empty_like(outgoing)
+        comm.sendrecv(outgoing.reshape(-1), (r + bit) % p, incoming.reshape(-1), (r - bit) % p, tag)
+        rotated[chosen] = incoming
+        bit <<= 1
+    result = out.reshape(p, c)
+    for j in range(p):  # block i came from rank r − i
+        result[j] = rotated[(r - j) % p]
+
+
+def all_to_all_bytes_sent(send_counts: list[int], itemsize: int, rank: int, algorithm: str) -> int:
+    """Bytes ``rank`` sends in an all-to-all: pairwise sends every block but its own; Bruck (equal blocks
+    of c) sends, in round k, the blocks whose index has bit k set."""
+    p = len(send_counts)
+    if algorithm == "pairwise":
+        return (sum(send_counts) - send_counts[rank]) * itemsize
+    c, sent, bit = send_counts[0], 0, 1
+    while bit < p:
+        sent += sum(1 for i in range(p) if i & bit) * c
+        bit <<= 1
+    return sent * itemsize
 
 
 def binomial_broadcast(comm: Any, buf: np.ndarray, root: int, tag: int) -> None:

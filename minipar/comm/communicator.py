@@ -315,6 +315,53 @@ class Communicator:
         result = self._collective("all_gather", x, async_op, run, label, in_place=False, same_shape=False, sizes=sizes)
         return result if out is None or not on_gpu(out) or async_op else _copy_into(out, result)
 
+    def all_to_all(self, x: Any, async_op: bool = False, label: str | None = None, algorithm: str | None = None) -> Any:
+        """Rank r's ``x`` (flattened, n = p·c elements) is p blocks of c; block j goes to rank j. Returns a new
+        1-D array whose block i came from rank i (MPI_Alltoall). "pairwise": p−1 rounds, (p−1)/p·n bytes sent;
+        "bruck": ⌈log₂p⌉ rounds, ⌈log₂p⌉·n/2 bytes; None: by the cost model."""
+        if x.size % self.size:
+            raise ValueError(f"all_to_all: {x.size} elements do not split into {self.size} equal blocks; "
+                             "use all_to_all_v for uneven counts")
+        self._check_algorithm("all_to_all", algorithm)
+        bounds = [k * (x.size // self.size) for k in range(self.size + 1)]
+
+        def run(buf: np.ndarray, tag: int) -> np.ndarray:
+            out = np.empty_like(buf)
+            if self._algorithm("all_to_all", buf.nbytes, algorithm) == "pairwise":
+                algo.pairwise_all_to_all(self, buf, out, bounds, bounds, tag)
+            else:
+                algo.bruck_all_to_all(self, buf, out, tag)
+            return out
+
+        return self._collective("all_to_all", x, async_op, run, label, in_place=False, same_shape=False)
+
+    def all_to_all_v(self, x: Any, send_counts: list[int], recv_counts: list[int] | None = None,
+                     async_op: bool = False, label: str | None = None) -> Any:
+        """Rank r sends ``send_counts[j]`` elements of ``x`` (flattened, in rank order) to rank j and returns
+        what every rank sent it, concatenated in source order (MPI_Alltoallv). Without ``recv_counts`` the
+        ranks first exchange their counts (an all-to-all of p integers), as expert dispatch does. Pairwise
+        exchange: p−1 rounds, each rank sends every element but those it keeps."""
+        send_counts = [int(c) for c in send_counts]
+        if len(send_counts) != self.size or min(send_counts, default=0) < 0 or sum(send_counts) != x.size:
+            raise ValueError(f"all_to_all_v: send_counts {send_counts} must be {self.size} non-negative counts "
+                             f"summing to x.size = {x.size}")
+        if recv_counts is None:
+            recv_counts = self.all_to_all(np.array(send_counts, np.int64), label=label).tolist()
+        recv_counts = [int(c) for c in recv_counts]
+        if len(recv_counts) != self.size or min(recv_counts, default=0) < 0:
+            raise ValueError(f"all_to_all_v: recv_counts {recv_counts} must be {self.size} non-negative counts")
+        send_bounds = [0, *np.cumsum(send_counts).tolist()]
+        recv_bounds = [0, *np.cumsum(recv_counts).tolist()]
+
+        def run(buf: np.ndarray, tag: int) -> np.ndarray:
+            out = np.empty(recv_bounds[-1], buf.dtype)
+            self._local.algorithm = "pairwise"
+            algo.pairwise_all_to_all(self, buf, out, send_bounds, recv_bounds, tag)
+            return out
+
+        return self._collective("all_to_all_v", x, async_op, run, label, in_place=False, same_shape=False,
+                                sizes=None)
+
     def all_gather_bytes(self, data: bytes, label: str | None = None) -> list[bytes]:
         """Every rank's ``data`` (any length), in rank order, on every rank: an all-gather of the
         lengths, then an all-gather(v) of the bytes."""

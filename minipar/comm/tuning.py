@@ -35,6 +35,7 @@ ALGORITHMS = {
     "reduce_scatter": ("ring", "recursive_halving"),
     "all_gather": ("ring", "bruck"),
     "broadcast": ("binomial", "segmented"),
+    "all_to_all": ("pairwise", "bruck"),
 }
 SEGMENT_CHOICES = (16 << 10, 64 << 10, 256 << 10, 1 << 20)
 
@@ -81,6 +82,11 @@ class CostModel:
                 return (p - 1) * a + (p - 1) / p * n * b
             if algorithm == "bruck":
                 return lg_up * a + (p - 1) / p * n * b + n * g
+        if collective == "all_to_all":
+            if algorithm == "pairwise":
+                return (p - 1) * a + (p - 1) / p * n * b
+            if algorithm == "bruck":  # each round also gathers and scatters its blocks: about a second α
+                return 2 * lg_up * a + lg_up * n / 2 * (b + 2 * g) + 2 * n * g
         if collective == "broadcast":
             if algorithm == "binomial":
                 return lg_up * (a + n * b)
