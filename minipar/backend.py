@@ -161,7 +161,15 @@ def memory_available() -> float:
                     return float(line.split()[1]) * 1024
     except OSError:
         pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return physical_memory()
+
+
+def physical_memory() -> float:
+    """The host's physical memory in bytes (16 GB where the OS does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError):
+        return 16e9
 
 
 def on_gpu(a: Any) -> bool:

@@ -36,8 +36,9 @@ from minipar.parallel.local_sgd import LocalSGD
 from minipar.parallel import planner
 from minipar.parallel.mesh import Mesh
 from minipar.parallel.pipeline import SCHEDULES, Pipeline, stage_blocks, stage_state
-from minipar.parallel.tensor_parallel import (check_tensor_parallel, gather_tensor_parallel_state, shard_state_dict,
-                                              tensor_parallel)
+from minipar.nn import LayerNorm
+from minipar.parallel.tensor_parallel import (SequenceParallelLayerNorm, check_tensor_parallel,
+                                              gather_tensor_parallel_state, shard_state_dict, tensor_parallel)
 from minipar.parallel.zero import ZeRO
 
 
@@ -93,6 +94,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--dp", type=int, help="data-parallel degree (default: world size / (tp·pp))")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     par.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    par.add_argument("--sp", action="store_true",
+                     help="sequence parallelism (Megatron-SP): layer norms and residuals on T/tp shards (with --tp)")
     par.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="pipeline schedule (with --pp)")
     par.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (with --dp)")
     par.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for DP / ZeRO-1/2")
@@ -201,7 +204,7 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
                                  f"{resumed.path} ({name}={getattr(resumed.config, name)}): drop the flag to resume, "
                                  "or start a new run without --resume")
     cfg = model_config(args, resumed)
-    check_tensor_parallel(cfg, args.tp)
+    check_tensor_parallel(cfg, args.tp, args.sp)
     stage_blocks(cfg.n_layer, args.pp, 0)
     check_memory(cfg, args, world_size)
     return cfg
@@ -231,7 +234,7 @@ def build_model(args: argparse.Namespace, cfg: GPTConfig, mesh: Mesh, resumed: C
         model = GPT(cfg, seed=args.seed)
         if resumed is not None:
             model.load_state_dict(resumed.params)
-    return tensor_parallel(model, mesh.tp_comm) if mesh.tp > 1 else model
+    return tensor_parallel(model, mesh.tp_comm, args.sp) if mesh.tp > 1 else model
 
 
 def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoint) -> None:
@@ -265,6 +268,21 @@ def build_engine(model: GPT, comm: Communicator, args: argparse.Namespace) -> tu
     compression = make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)
     return (DataParallel(model, comm, args.bucket_mb, compression=compression),
             AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay))
+
+
+def count_layer_norm_bytes(model: GPT) -> dict[str, int]:
+    """A counter of the bytes of every layer-norm output this rank computes — the (B, T, C) residual-stream
+    tensors, (B, T/tp, C) under sequence parallelism — filled by forward hooks; the loop resets it per step."""
+    counter = {"layer_norm": 0}
+
+    def count(module: Any, out: Any) -> Any:
+        counter["layer_norm"] += out.data.nbytes
+        return out
+
+    for module in model.modules():
+        if isinstance(module, (LayerNorm, SequenceParallelLayerNorm)):
+            module.register_forward_hook(count)
+    return counter
 
 
 def mean_loss(losses: list[float], mesh: Mesh) -> float:
@@ -381,7 +399,7 @@ class Progress:
 def format_step(record: dict[str, Any]) -> str:
     comm = ""
     if record["world"] > 1:
-        tp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith("tp_"))
+        tp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith(("tp_", "sp_")))
         if record["comm_formula_bytes"]:
             comm += f" | dp {record['comm_bytes'] / 1e6:.2f} MB (formula {record['comm_formula_bytes'] / 1e6:.2f})"
             if record["comm_bytes"] and record["comm_bytes"] < 0.99 * record["comm_formula_bytes"]:
@@ -425,7 +443,8 @@ class PreemptionWatch:
 
 def step_record(step: int, args: argparse.Namespace, loss: float, norm: float, ms: float, world: Communicator,
                 comms: list[Communicator], engine: Any, local_sgd: LocalSGD | None, outer_round: bool,
-                state_bytes: dict[str, int], pipeline: Pipeline, mesh: Mesh, lr: float, tokens: int) -> dict[str, Any]:
+                state_bytes: dict[str, int], pipeline: Pipeline, mesh: Mesh, lr: float, tokens: int,
+                activation_bytes: dict[str, int]) -> dict[str, Any]:
     by_op: dict[str, Any] = {}
     for c in comms:
         for k, v in c.stats.items():
@@ -441,7 +460,7 @@ def step_record(step: int, args: argparse.Namespace, loss: float, norm: float, m
             "comm_bytes_by_op": {k: v["bytes"] for k, v in by_op.items()},
             "comm_calls_by_op": {k: v["calls"] for k, v in by_op.items()},
             "comm_algorithm_by_op": {k: v["algorithm"] for k, v in by_op.items() if v["algorithm"]},
-            "model_state_bytes": state_bytes,
+            "model_state_bytes": state_bytes, "activation_bytes": dict(activation_bytes),
             "pipeline": pipeline.stats}
 
 
@@ -488,8 +507,10 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     tp_sum, pp_sum = group_sum(mesh.tp_comm), group_sum(mesh.pp_comm)
     m, lead, first_step = args.microbatches, world.rank == 0, resumed.step if resumed else 0
     progress = Progress(args, lead, first_step)
+    norm_bytes = count_layer_norm_bytes(model)
     layout = "".join(f", {k}={v}" for k, v in (("dp", mesh.dp), ("tp", mesh.tp), ("pp", mesh.pp)) if v > 1)
-    layout += (f" {args.schedule}" if mesh.pp > 1 else "") + (f" zero-{args.zero}" if args.zero else "")
+    layout += (" sp" if args.sp else "") + (f" {args.schedule}" if mesh.pp > 1 else "")
+    layout += f" zero-{args.zero}" if args.zero else ""
     progress.say(f"minipar: GPT {cfg.num_parameters():,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} "
                  f"T={block}), {len(tokens):,} tokens, batch {args.batch_size}×{block}, {args.dtype} on "
                  f"{args.device}{layout}")
@@ -509,6 +530,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             t0 = time.perf_counter()
             for c in comms:
                 c.reset_stats()
+            norm_bytes["layer_norm"] = 0
             x, y = (shard_rows(a, mesh.dp_rank, mesh.dp) for a in batches(step))
             losses = pipeline.run(engine, x, y, m)
             with trace.span("sync gradients", "comm"):
@@ -524,7 +546,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             loss = mean_loss(losses, mesh)
             record = step_record(step, args, loss, float(norm), (time.perf_counter() - t0) * 1e3, world, comms, engine,
                                  local_sgd, outer_round, state_bytes, pipeline, mesh, optimizer.lr,
-                                 args.batch_size * block)
+                                 args.batch_size * block, norm_bytes)
             records.append(record)
             progress.step(record)
             if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):

@@ -108,6 +108,8 @@ class Transformer(Module):
 
 
 class GPT(Module):
+    sequence_shard = (0, 1)  # (i, n): this rank computes positions [i·T/n, (i+1)·T/n) of each sequence
+
     def __init__(self, cfg: GPTConfig, seed: int = 0):
         self.config = cfg
         self.transformer = Transformer(cfg)
@@ -122,11 +124,17 @@ class GPT(Module):
                 p.data = to_device(rng.normal(0.0, std, size=p.shape), dtype=p.dtype)
 
     # ---- forward, in three pieces so a pipeline stage can run just its share ----
+    def positions(self, T: int) -> Any:
+        """The positions of a length-T sequence this rank computes: all of them, or its shard under sequence
+        parallelism (whose embedding returns just those rows)."""
+        i, n = self.sequence_shard
+        return xp.arange(i * T // n, (i + 1) * T // n)
+
     def embed(self, idx: Any) -> Tensor:
         T = idx.shape[1]
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        return self.transformer.wte(idx) + self.transformer.wpe(xp.arange(T))
+        return self.transformer.wte(idx) + self.transformer.wpe(self.positions(T))
 
     def head(self, x: Tensor, targets: Any = None) -> tuple[Tensor, Tensor | None]:
         wte = self.transformer.wte

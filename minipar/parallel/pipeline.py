@@ -138,7 +138,7 @@ class Pipeline:
         xs, ys = np.split(x, m), np.split(y, m)
         if self.n_stages == 1:
             return self._run_single_stage(engine, xs, ys)
-        shape = (len(xs[0]), x.shape[1], self.model.config.n_embd)
+        shape = (len(xs[0]), len(self.model.positions(x.shape[1])), self.model.config.n_embd)
         prev, nxt = self.stage - 1, self.stage + 1
         self._exchange_tied_embedding()
         inputs, outputs, losses, sends = {}, {}, [], []
@@ -209,7 +209,7 @@ class Pipeline:
             with no_grad():
                 return engine(x, y)[1].item()
         self._exchange_tied_embedding()
-        shape = (len(x), x.shape[1], self.model.config.n_embd)
+        shape = (len(x), len(self.model.positions(x.shape[1])), self.model.config.n_embd)
         with no_grad():
             inp = x if self.is_first else self._recv(shape, self.stage - 1, _EVAL_TAG, "eval")[0]
             out = self._forward(inp, y)

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from minipar.backend import physical_memory
 from minipar.safetensors_io import atomic_write
 
 
@@ -303,7 +304,7 @@ def calibrate(comm: Any, memory_bytes: float | None = None) -> Profile:
         group *= 2
     link = Link(alpha, beta)
     return Profile("cpu (calibrated)", flops=max(local["gemm"].values()), bandwidth=local["bandwidth"],
-                   op_overhead=local["layer_overhead"], ops_per_layer=1.0, memory=memory_bytes or _physical_memory(),
+                   op_overhead=local["layer_overhead"], ops_per_layer=1.0, memory=memory_bytes or physical_memory(),
                    devices_per_node=max(comm.size, 64), intra=link, inter=link, overlap=0.3, cores=os.cpu_count() or 1,
                    contention=contention,
                    gemm_flops_by_rows=local["gemm"], alpha_by_group=alpha_by_group)
@@ -345,13 +346,6 @@ def _pingpong(comm: Any, nbytes: int, reps: int = 20) -> float:
             comm.send(buf, 0, tag=7, label="calibration")
     one_way = (time.perf_counter() - t0) / (2 * reps)
     return float(comm.broadcast(np.array([one_way]), root=0, label="calibration")[0])
-
-
-def _physical_memory() -> float:
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError):
-        return 16e9
 
 
 PRESETS = {  # name -> (n_layer, n_head, n_embd, block_size, vocab_size)

@@ -28,6 +28,22 @@ vocabulary columns are masked to −∞, so the loss is the unpadded one.
 Parameters that every tp rank holds whole (layer norms, wpe, row-parallel biases) receive
 identical gradients on every rank; ``norm_scale`` marks them so a global gradient norm counts
 them once.
+
+Sequence parallelism (Megatron-SP, Korthikanti et al. 2022; ``sequence_parallel=True``). Between
+the tensor-parallel regions — layer norms, residual adds, dropout's place, the head's input — every
+rank holds only T/tp of each sequence, (B, T/tp, C), instead of a full replica. The conjugate pair
+changes shape, not cost:
+
+    ḡ  = GatherSequence            forward: all-gather along T    backward: reduce-scatter of dx
+    ḡ* = ReduceScatterSequence     forward: reduce-scatter along T backward: all-gather of dy
+
+ḡ replaces f before each column-parallel layer and ḡ* replaces g after each row-parallel one. A ring
+all-gather plus a ring reduce-scatter of B·T·C elements send exactly what one ring all-reduce sends,
+2(tp−1)/tp·B·T·C, so a layer still costs 2 all-reduces' worth forward and 2 backward, while the layer
+norm and residual activations shrink by tp. The parameters used on a shard (layer norms, wpe,
+row-parallel biases) see only this rank's tokens: their gradients pass an ``f`` (all-reduce, label
+``sp_params``), which makes them whole and equal on every rank, as in TP. The loss is unchanged:
+the head gathers the full sequence for its vocabulary slice. T must be divisible by tp.
 """
 from __future__ import annotations
 
@@ -69,46 +85,122 @@ class ReduceFromTensorParallel(Function):
         return g, None, None
 
 
-class ColumnParallelLinear(Module):
-    """y_r = f(x) W_r + b_r with W_r = W[:, cols of rank r] (in, out/tp); the output stays split."""
+def gather_sequence(comm: Communicator, x: Any, label: str) -> Any:
+    """(B, t, C) shards -> (B, tp·t, C), rank r's shard at [r·t, (r+1)·t): a ring all-gather of B·t·C each."""
+    B, t, C = x.shape
+    whole = comm.all_gather(xp.ascontiguousarray(x).reshape(-1), algorithm="ring", label=label)
+    return xp.ascontiguousarray(whole.reshape(comm.size, B, t, C).transpose(1, 0, 2, 3)).reshape(B, comm.size * t, C)
 
-    def __init__(self, weight: Any, bias: Any, comm: Communicator):
-        self.weight, self.bias, self.comm = Parameter(weight), Parameter(bias), comm
+
+def reduce_scatter_sequence(comm: Communicator, y: Any, label: str) -> Any:
+    """(B, T, C) partial sums -> this rank's (B, T/tp, C) shard of their sum: a ring reduce-scatter."""
+    B, T, C = y.shape
+    blocks = xp.ascontiguousarray(y.reshape(B, comm.size, T // comm.size, C).transpose(1, 0, 2, 3)).reshape(-1)
+    return comm.reduce_scatter(blocks, algorithm="ring", label=label).reshape(B, T // comm.size, C)
+
+
+class GatherSequence(Function):
+    """ḡ: all-gather along the sequence forward, reduce-scatter of the (partial) gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, comm: Communicator, label: str = "sp") -> Any:
+        ctx.comm, ctx.label = comm, label
+        return gather_sequence(comm, x, f"{label}_forward")
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        return reduce_scatter_sequence(ctx.comm, g, f"{ctx.label}_backward"), None, None
+
+
+class ReduceScatterSequence(Function):
+    """ḡ*: reduce-scatter along the sequence forward, all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, comm: Communicator, label: str = "sp") -> Any:
+        ctx.comm, ctx.label = comm, label
+        return reduce_scatter_sequence(comm, x, f"{label}_forward")
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        return gather_sequence(ctx.comm, g, f"{ctx.label}_backward"), None, None
+
+
+def _shard_used(p: Parameter, comm: Communicator | None) -> Tensor:
+    """A whole parameter used on this rank's sequence shard only: under sequence parallelism an ``f`` sums
+    its partial gradient over the tp ranks (without it, the identity)."""
+    return p if comm is None else CopyToTensorParallel.apply(p, comm, "sp_params")
+
+
+class ColumnParallelLinear(Module):
+    """y_r = f(x) W_r + b_r with W_r = W[:, cols of rank r] (in, out/tp); the output stays split.
+    Sequence-parallel: ḡ(x) instead of f(x) — the full sequence from the shards."""
+
+    def __init__(self, weight: Any, bias: Any, comm: Communicator, sequence_parallel: bool = False):
+        self.weight, self.bias, self.comm, self.sp = Parameter(weight), Parameter(bias), comm, sequence_parallel
         self.weight.norm_scale = self.bias.norm_scale = 1.0
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.linear(CopyToTensorParallel.apply(x, self.comm), self.weight, self.bias)
+        x = GatherSequence.apply(x, self.comm) if self.sp else CopyToTensorParallel.apply(x, self.comm)
+        return ops.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(Module):
-    """y = g(x_r W_r) + b with W_r = W[rows of rank r, :] (in/tp, out); b is whole on every rank."""
+    """y = g(x_r W_r) + b with W_r = W[rows of rank r, :] (in/tp, out); b is whole on every rank.
+    Sequence-parallel: ḡ*(x_r W_r) + b — this rank's shard of the sum."""
 
-    def __init__(self, weight: Any, bias: Any, comm: Communicator):
-        self.weight, self.bias, self.comm = Parameter(weight), Parameter(bias), comm
+    def __init__(self, weight: Any, bias: Any, comm: Communicator, sequence_parallel: bool = False):
+        self.weight, self.bias, self.comm, self.sp = Parameter(weight), Parameter(bias), comm, sequence_parallel
         self.weight.norm_scale = 1.0
         self.bias.norm_scale = 1.0 if comm.rank == 0 else 0.0
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.sp:
+            return ReduceScatterSequence.apply(ops.linear(x, self.weight), self.comm) + _shard_used(self.bias, self.comm)
         return ReduceFromTensorParallel.apply(ops.linear(x, self.weight), self.comm) + self.bias
+
+
+class SequenceParallelLayerNorm(Module):
+    """A layer norm on this rank's (B, T/tp, C) shard, its gain and bias summed over tp in backward."""
+
+    def __init__(self, weight: Parameter, bias: Parameter, eps: float, comm: Communicator):
+        self.weight, self.bias, self.eps, self.comm = weight, bias, eps, comm
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.layer_norm(x, _shard_used(self.weight, self.comm), _shard_used(self.bias, self.comm), self.eps)
+
+
+class SequenceParallelPositions(Module):
+    """The position table, looked up at this rank's positions, its gradient summed over tp in backward."""
+
+    def __init__(self, weight: Parameter, comm: Communicator):
+        self.weight, self.comm = weight, comm
+
+    def forward(self, positions: Any) -> Tensor:
+        return ops.embedding(positions, _shard_used(self.weight, self.comm))
 
 
 class VocabParallelEmbedding(Module):
     """This rank's rows [start, start + n) of the padded (V', C) table: lookup, tied head and loss."""
 
-    def __init__(self, weight: Any, vocab_start: int, n_valid: int, comm: Communicator):
-        self.weight, self.comm = Parameter(weight), comm
+    def __init__(self, weight: Any, vocab_start: int, n_valid: int, comm: Communicator, sequence_parallel: bool = False):
+        self.weight, self.comm, self.sp = Parameter(weight), comm, sequence_parallel
         self.weight.norm_scale = 1.0
         self.vocab_start, self.n_valid = vocab_start, n_valid  # n_valid < rows on the rank holding padding
 
     def forward(self, idx: Any) -> Tensor:
+        """The embedding rows, summed over the ranks' vocabulary slices: whole (B, T, C), or under sequence
+        parallelism this rank's (B, T/tp, C) shard (a reduce-scatter instead of the all-reduce)."""
         local = idx - self.vocab_start
         mine = (local >= 0) & (local < self.n_valid)
         rows = ops.embedding(xp.where(mine, local, 0), self.weight) * mine[..., None].astype(self.weight.dtype)
+        if self.sp:
+            return ReduceScatterSequence.apply(rows, self.comm, "tp_embedding")
         return ReduceFromTensorParallel.apply(rows, self.comm, "tp_embedding")
 
     def attend(self, h: Tensor) -> Tensor:
-        """This rank's slice of the logits, (B, T, V'/tp)."""
-        return ops.linear(CopyToTensorParallel.apply(h, self.comm, "tp_head"), self.weight, transposed=True)
+        """This rank's slice of the logits, (B, T, V'/tp) — from the gathered sequence under sequence parallelism."""
+        h = GatherSequence.apply(h, self.comm, "tp_head") if self.sp else CopyToTensorParallel.apply(h, self.comm, "tp_head")
+        return ops.linear(h, self.weight, transposed=True)
 
     def cross_entropy(self, logits: Tensor, targets: Any) -> Tensor:
         return VocabParallelCrossEntropy.apply(logits, targets, self.vocab_start, self.n_valid, self.comm)
@@ -150,12 +242,17 @@ class VocabParallelCrossEntropy(Function):
 # ------------------------------------------------------------------------------ sharding a GPT
 
 
-def check_tensor_parallel(cfg: Any, tp: int) -> None:
+def check_tensor_parallel(cfg: Any, tp: int, sequence_parallel: bool = False) -> None:
     """Raise before any communication if a GPT config cannot be split over ``tp`` ranks."""
     if cfg.n_head % tp:
         raise ValueError(f"--tp {tp} must divide n_head ({cfg.n_head}): heads are split across ranks")
     if (4 * cfg.n_embd) % tp:
         raise ValueError(f"--tp {tp} must divide the MLP width 4·n_embd ({4 * cfg.n_embd})")
+    if sequence_parallel and tp < 2:
+        raise ValueError("--sp splits the sequence over the tensor-parallel ranks: it needs --tp >= 2")
+    if sequence_parallel and cfg.block_size % tp:
+        raise ValueError(f"--sp splits each sequence over --tp {tp} ranks: the sequence length "
+                         f"(--block-size {cfg.block_size}) must be divisible by it")
 
 
 def _vocab_rows(cfg: Any, tp: int, rank: int) -> tuple[int, int, int]:
@@ -216,24 +313,33 @@ def merge_state_dicts(shards: list[dict[str, np.ndarray]], cfg: Any) -> dict[str
     return out
 
 
-def tensor_parallel(model: GPT, comm: Communicator) -> GPT:
-    """Replace ``model``'s layers, in place, by their tensor-parallel slices over ``comm`` (its tp group).
+def tensor_parallel(model: GPT, comm: Communicator, sequence_parallel: bool = False) -> GPT:
+    """Replace ``model``'s layers, in place, by their tensor-parallel slices over ``comm`` (its tp group);
+    with ``sequence_parallel`` the activations between them live on T/tp shards (Megatron-SP).
 
     Every rank must hold the same full model (same seed or checkpoint); each keeps only its slice.
     """
-    cfg, tp, rank = model.config, comm.size, comm.rank
-    check_tensor_parallel(cfg, tp)
+    cfg, tp, rank, sp = model.config, comm.size, comm.rank, sequence_parallel
+    check_tensor_parallel(cfg, tp, sp)
     local = shard_state_dict(model.state_dict(), cfg, tp, rank)
     dev = lambda name: to_device(local[name], dtype=model.transformer.wte.weight.dtype)  # noqa: E731
     start, _, valid = _vocab_rows(cfg, tp, rank)
-    model.transformer.wte = VocabParallelEmbedding(dev("transformer.wte.weight"), start, valid, comm)
+    model.transformer.wte = VocabParallelEmbedding(dev("transformer.wte.weight"), start, valid, comm, sp)
     for i, block in enumerate(model.transformer.h):
         p = f"transformer.h.{i}."
-        block.attn.c_attn = ColumnParallelLinear(dev(p + "attn.c_attn.weight"), dev(p + "attn.c_attn.bias"), comm)
-        block.attn.c_proj = RowParallelLinear(dev(p + "attn.c_proj.weight"), dev(p + "attn.c_proj.bias"), comm)
+        block.attn.c_attn = ColumnParallelLinear(dev(p + "attn.c_attn.weight"), dev(p + "attn.c_attn.bias"), comm, sp)
+        block.attn.c_proj = RowParallelLinear(dev(p + "attn.c_proj.weight"), dev(p + "attn.c_proj.bias"), comm, sp)
         block.attn.n_head = cfg.n_head // tp
-        block.mlp.c_fc = ColumnParallelLinear(dev(p + "mlp.c_fc.weight"), dev(p + "mlp.c_fc.bias"), comm)
-        block.mlp.c_proj = RowParallelLinear(dev(p + "mlp.c_proj.weight"), dev(p + "mlp.c_proj.bias"), comm)
+        block.mlp.c_fc = ColumnParallelLinear(dev(p + "mlp.c_fc.weight"), dev(p + "mlp.c_fc.bias"), comm, sp)
+        block.mlp.c_proj = RowParallelLinear(dev(p + "mlp.c_proj.weight"), dev(p + "mlp.c_proj.bias"), comm, sp)
+        if sp:
+            block.ln_1 = SequenceParallelLayerNorm(block.ln_1.weight, block.ln_1.bias, block.ln_1.eps, comm)
+            block.ln_2 = SequenceParallelLayerNorm(block.ln_2.weight, block.ln_2.bias, block.ln_2.eps, comm)
+    if sp:
+        ln_f = model.transformer.ln_f
+        model.transformer.ln_f = SequenceParallelLayerNorm(ln_f.weight, ln_f.bias, ln_f.eps, comm)
+        model.transformer.wpe = SequenceParallelPositions(model.transformer.wpe.weight, comm)
+        model.sequence_shard = (rank, tp)
     for p in model.parameters():  # whole on every tp rank: count once in a global norm
         if not hasattr(p, "norm_scale"):
             p.norm_scale = 1.0 if rank == 0 else 0.0
