@@ -50,7 +50,8 @@ class Checkpoint:
     @property
     def layout_name(self) -> str:
         lay = self.layout
-        return f"dp{lay['dp']}·tp{lay['tp']}·pp{lay['pp']}" + (f" zero-{lay['zero']}" if lay["zero"] else "")
+        cp = f"·cp{lay['cp']}" if lay.get("cp", 1) > 1 else ""
+        return f"dp{lay['dp']}{cp}·tp{lay['tp']}·pp{lay['pp']}" + (f" zero-{lay['zero']}" if lay["zero"] else "")
 
 
 def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]] | None, mesh: Any, config: Any,
@@ -77,7 +78,8 @@ def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]
     if world.rank == 0:
         manifest = {"format": CHECKPOINT_FORMAT, "step": step, "optimizer_step": optimizer_step,
                     "config": dataclasses.asdict(config),
-                    "layout": {"dp": mesh.dp, "tp": mesh.tp, "pp": mesh.pp, "zero": zero}, "files": records}
+                    "layout": {"dp": mesh.dp, "cp": mesh.cp, "tp": mesh.tp, "pp": mesh.pp, "zero": zero},
+                    "files": records}
         atomic_write(os.path.join(step_dir, "manifest.json"), [json.dumps(manifest, indent=1).encode()])
         atomic_write(os.path.join(root, "latest"), [f"step_{step:06d}\n".encode()])
     world.barrier()

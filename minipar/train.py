@@ -246,10 +246,10 @@ def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoin
 
 
 def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any, model: GPT, mesh: Mesh) -> str:
-    """Save parameters and AdamW state in this layout; dp rank 0 of each (pp, tp) group writes its slice."""
+    """Save parameters and AdamW state in this layout; the first replica of each (pp, tp) slice writes it."""
     params = engine.gathered_state_dict()
     moments = optimizer.export_state({id(p): n for n, p in model.named_parameters()})
-    state = {"param": params, **moments} if mesh.dp_rank == 0 else None
+    state = {"param": params, **moments} if mesh.grad_comm.rank == 0 else None
     saved = save_checkpoint(args.save, step, state, mesh, model.config, args.zero, optimizer.step_count)
     if mesh.world.rank == 0:
         prune_checkpoints(args.save, args.keep_last)
@@ -286,9 +286,10 @@ def count_layer_norm_bytes(model: GPT) -> dict[str, int]:
 
 
 def mean_loss(losses: list[float], mesh: Mesh) -> float:
-    """The global mean of per-microbatch losses that live on the last pipeline stage of every dp group."""
+    """The global mean of per-microbatch losses that live on the last pipeline stage of every replica (each
+    dp·cp rank's loss is the mean over as many tokens, so the average of theirs is the mean over all)."""
     local = np.array([np.mean([float(v) for v in losses]) if losses else 0.0])  # the step's one device→host sync
-    return float(mesh.dp_comm.all_reduce(mesh.pp_comm.all_reduce(local, label="loss"), op="avg", label="loss")[0])
+    return float(mesh.grad_comm.all_reduce(mesh.pp_comm.all_reduce(local, label="loss"), op="avg", label="loss")[0])
 
 
 def evaluate(engine: Any, pipeline: Pipeline, mesh: Mesh, batches: Batches, n_batches: int) -> float:
@@ -456,7 +457,7 @@ def step_record(step: int, args: argparse.Namespace, loss: float, norm: float, m
             "tokens": tokens, "tokens_per_s": tokens / (ms / 1e3), "ms": ms, "world": world.size,
             "comm_bytes": sum(by_op.get(k, {"bytes": 0})["bytes"] for k in ("grads", "params")),
             "comm_formula_bytes": (engine.formula_bytes() if not local_sgd else
-                                   local_sgd.formula_bytes_per_round() * outer_round) if mesh.dp > 1 else 0.0,
+                                   local_sgd.formula_bytes_per_round() * outer_round) if mesh.grad_comm.size > 1 else 0.0,
             "comm_bytes_by_op": {k: v["bytes"] for k, v in by_op.items()},
             "comm_calls_by_op": {k: v["calls"] for k, v in by_op.items()},
             "comm_algorithm_by_op": {k: v["algorithm"] for k, v in by_op.items() if v["algorithm"]},
@@ -496,10 +497,10 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     block = cfg.block_size
     tokens, batches, val_batches, data_note = load_data(args, block)
     mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp)
-    comms = [world, mesh.dp_comm, mesh.tp_comm, mesh.pp_comm]
+    comms = list(dict.fromkeys([world, mesh.dp_comm, mesh.cp_comm, mesh.tp_comm, mesh.pp_comm, mesh.grad_comm]))
     model = build_model(args, cfg, mesh, resumed)
     pipeline = Pipeline(model, mesh.pp_comm, args.schedule)
-    engine, optimizer = build_engine(model, mesh.dp_comm, args)
+    engine, optimizer = build_engine(model, mesh.grad_comm, args)
     local_sgd = LocalSGD(model, mesh.dp_comm, args.local_sgd, args.outer_lr, args.outer_momentum,
                          staleness=args.staleness) if args.local_sgd else None
     if resumed is not None:

@@ -25,7 +25,7 @@ from minipar.train import add_arguments, train
 world = Communicator()
 say = print if world.rank == 0 else (lambda *a, **k: None)
 mesh = Mesh(world, dp=2, tp=2, pp=2)
-rows = world.all_gather_bytes(f"rank {world.rank}: (pp, dp, tp) = {mesh.coordinates(world.rank)}".encode())
+rows = world.all_gather_bytes(f"rank {world.rank}: (pp, dp, cp, tp) = {mesh.coordinates(world.rank)}".encode())
 say("1. " + "\n   ".join(r.decode() for r in rows))
 say("   tp groups: consecutive ranks (the fast links); dp groups stride by tp = 2; pp stages by dp·tp = 4")
 assert mesh.tp_comm.size == mesh.dp_comm.size == mesh.pp_comm.size == 2

@@ -1,36 +1,60 @@
-"""The device mesh: world = pp × dp × tp ranks, tp fastest (Megatron's order).
+"""The device mesh: world = pp × dp × cp × tp ranks, tp fastest, then cp (Megatron's order).
 
-    rank = (pp_rank · dp + dp_rank) · tp + tp_rank
+    rank = ((pp_rank · dp + dp_rank) · cp + cp_rank) · tp + tp_rank
 
 Tensor-parallel groups are runs of tp consecutive ranks — on a real cluster, the GPUs of one node
-joined by NVLink, where TP's per-layer all-reduces belong. Data-parallel groups stride by tp, and
-pipeline stages by dp·tp. Each group is an MPI sub-communicator (``MPI_Comm_split``).
+joined by NVLink, where TP's per-layer all-reduces belong. Context-parallel groups (the ranks that
+split each sequence) stride by tp, data-parallel groups by cp·tp, pipeline stages by dp·cp·tp. Each
+group is an MPI sub-communicator (``MPI_Comm_split``); the mesh owns all of them and hands each
+engine the ones it needs.
+
+Parameters are replicated over dp and cp alike (cp ranks hold the same weights and see different
+tokens), so gradients reduce — and ZeRO shards — over ``grad_comm``, the dp × cp ranks with this
+rank's (pp, tp) coordinates. With cp = 1 it is the dp group itself.
 
     mesh = Mesh(Communicator(), dp=2, tp=2, pp=2)   # 8 ranks
-    mesh.tp_comm, mesh.dp_comm, mesh.pp_comm        # this rank's three groups
+    mesh.tp_comm, mesh.dp_comm, mesh.pp_comm        # this rank's groups (and cp_comm, grad_comm)
 """
 from __future__ import annotations
 
 from minipar.comm import Communicator
 
+AXES = ("pp", "dp", "cp", "tp")  # slowest to fastest
+
 
 class Mesh:
-    def __init__(self, world: Communicator, dp: int = 1, tp: int = 1, pp: int = 1):
-        for name, size in (("dp", dp), ("tp", tp), ("pp", pp)):
+    def __init__(self, world: Communicator, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1):
+        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        for name, size in sizes.items():
             if size < 1:
                 raise ValueError(f"--{name} must be >= 1, got {size}")
-        if dp * tp * pp != world.size:
-            raise ValueError(f"world size {world.size} != dp·tp·pp = {dp}·{tp}·{pp}; launch with mpiexec -n {dp * tp * pp}")
-        self.world, self.dp, self.tp, self.pp = world, dp, tp, pp
-        self.pp_rank, self.dp_rank, self.tp_rank = self.coordinates(world.rank)
-        # color = the coordinates the group members share; key = the rank's position within the group
-        self.tp_comm = world.split(color=self.pp_rank * dp + self.dp_rank, key=self.tp_rank, name="tp")
-        self.dp_comm = world.split(color=self.pp_rank * tp + self.tp_rank, key=self.dp_rank, name="dp")
-        self.pp_comm = world.split(color=self.dp_rank * tp + self.tp_rank, key=self.pp_rank, name="pp")
+        total = pp * dp * cp * tp
+        if total != world.size:
+            raise ValueError(f"world size {world.size} != pp·dp·cp·tp = {pp}·{dp}·{cp}·{tp}; launch with mpiexec -n {total}")
+        self.world, self.sizes = world, sizes
+        self.dp, self.tp, self.pp, self.cp = dp, tp, pp, cp
+        coords = dict(zip(AXES, self.coordinates(world.rank)))
+        self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = (coords[a] for a in AXES)
+        # one group per axis: the ranks that share every other coordinate, ordered along the axis
+        for axis in AXES:
+            setattr(self, f"{axis}_comm", self._group([axis], coords))
+        self.grad_comm = self.dp_comm if cp == 1 else self._group(["dp", "cp"], coords, name="dp·cp")
 
-    def coordinates(self, rank: int) -> tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank) of a world rank."""
-        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+    def _group(self, axes: list[str], coords: dict[str, int], name: str | None = None) -> Communicator:
+        """The ranks whose coordinates differ from this rank's only along ``axes`` (key: their order there)."""
+        color, key = 0, 0
+        for axis in AXES:
+            if axis in axes:
+                key = key * self.sizes[axis] + coords[axis]
+            else:
+                color = color * self.sizes[axis] + coords[axis]
+        return self.world.split(color=color, key=key, name=name or axes[0])
+
+    def coordinates(self, rank: int) -> tuple[int, int, int, int]:
+        """(pp_rank, dp_rank, cp_rank, tp_rank) of a world rank."""
+        tp, cp, dp = self.tp, self.cp, self.dp
+        return rank // (dp * cp * tp), rank // (cp * tp) % dp, rank // tp % cp, rank % tp
 
     def __repr__(self) -> str:
-        return f"Mesh(pp={self.pp}, dp={self.dp}, tp={self.tp}; rank {self.world.rank} = {self.coordinates(self.world.rank)})"
+        shape = ", ".join(f"{a}={self.sizes[a]}" for a in AXES)
+        return f"Mesh({shape}; rank {self.world.rank} = {self.coordinates(self.world.rank)})"
