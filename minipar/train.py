@@ -31,6 +31,7 @@ from minipar.data import Batches, load_tokens, shard_rows, split_tokens
 from minipar.models.gpt import GPT, GPTConfig, hf_config
 from minipar.optim import AdamW, cosine_lr
 from minipar.parallel.compression import COMPRESSIONS, make_compressor
+from minipar.parallel.context_parallel import check_context_parallel, context_parallel, context_slice
 from minipar.parallel.data_parallel import DataParallel
 from minipar.parallel.local_sgd import LocalSGD
 from minipar.parallel import planner
@@ -94,6 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--dp", type=int, help="data-parallel degree (default: world size / (tp·pp))")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     par.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    par.add_argument("--cp", type=int, default=1, help="context-parallel degree: each sequence split over this many ranks")
+    par.add_argument("--cp-kind", choices=["ring", "ulysses"], default="ulysses",
+                     help="context parallelism: DeepSpeed-Ulysses all-to-alls (ring attention: not implemented yet)")
     par.add_argument("--sp", action="store_true",
                      help="sequence parallelism (Megatron-SP): layer norms and residuals on T/tp shards (with --tp)")
     par.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="pipeline schedule (with --pp)")
@@ -161,35 +165,38 @@ MODEL_FLAGS = ("n_layer", "n_head", "n_embd", "block_size")
 def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | None) -> GPTConfig:
     """Reject bad input before anything is built or communicated (every rank reaches the same verdict).
     Fills in ``args.dp`` when it was left out: the ranks that tp·pp leave, as Megatron-LM does."""
-    for name in ("steps", "batch_size", "microbatches", "block_size", "tp", "pp", "bucket_mb", "eval_batches",
+    for name in ("steps", "batch_size", "microbatches", "block_size", "tp", "pp", "cp", "bucket_mb", "eval_batches",
                  "log_interval"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("lr", "min_lr", "warmup", "grad_clip", "weight_decay", "eval_interval", "save_interval", "keep_last"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    others = args.tp * args.pp * args.cp
     if args.dp is None:
-        if world_size % (args.tp * args.pp):
-            raise ValueError(f"world size {world_size} is not divisible by tp·pp = {args.tp}·{args.pp}")
-        args.dp = world_size // (args.tp * args.pp)
+        if world_size % others:
+            raise ValueError(f"world size {world_size} is not divisible by tp·pp·cp = {args.tp}·{args.pp}·{args.cp}")
+        args.dp = world_size // others
     if args.dp <= 0:
         raise ValueError(f"--dp must be positive, got {args.dp}")
-    if args.dp * args.tp * args.pp != world_size:
-        raise ValueError(f"world size {world_size} != dp·tp·pp = {args.dp}·{args.tp}·{args.pp}; "
-                         f"launch with mpiexec -n {args.dp * args.tp * args.pp}")
+    if args.dp * others != world_size:
+        layout = f"{args.dp}·{args.tp}·{args.pp}" + (f"·{args.cp}" if args.cp > 1 else "")
+        raise ValueError(f"world size {world_size} != dp·tp·pp{'·cp' if args.cp > 1 else ''} = {layout}; "
+                         f"launch with mpiexec -n {args.dp * others}")
     if args.batch_size % (args.dp * args.microbatches):
         raise ValueError(f"--batch-size {args.batch_size} is not divisible by --dp·--microbatches "
                          f"= {args.dp}·{args.microbatches}")
-    if args.zero and args.dp == 1:
-        raise ValueError("--zero shards over data-parallel ranks: it needs --dp >= 2")
+    if args.zero and args.dp * args.cp == 1:
+        raise ValueError("--zero shards over the data- and context-parallel ranks: it needs --dp or --cp >= 2")
     if args.compression != "none" and args.zero:
         raise ValueError("--compression plugs into plain data parallelism: use it with --zero 0")
     make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)  # validates the numbers
     if args.local_sgd < 0 or args.staleness < 0:
         raise ValueError("--local-sgd and --staleness must be >= 0")
-    if args.local_sgd and (args.tp > 1 or args.pp > 1 or args.zero or args.compression != "none" or args.save):
+    if args.local_sgd and (args.tp > 1 or args.pp > 1 or args.cp > 1 or args.zero or args.compression != "none"
+                           or args.save):
         raise ValueError("--local-sgd replaces the gradient all-reduce of plain data parallelism: use it with --dp "
-                         "alone (no --tp/--pp/--zero/--compression/--save)")
+                         "alone (no --tp/--pp/--cp/--zero/--compression/--save)")
     if args.zero >= 2 and args.pp > 1:
         raise ValueError("--zero 2/3 reduce-scatter every microbatch's gradients; with --pp use --zero 0 or 1 "
                          "(as DeepSpeed does)")
@@ -205,6 +212,11 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
                                  "or start a new run without --resume")
     cfg = model_config(args, resumed)
     check_tensor_parallel(cfg, args.tp, args.sp)
+    if args.cp > 1:
+        check_context_parallel(cfg, args.cp, args.tp, args.cp_kind)
+        if args.sp and (cfg.block_size // args.cp) % args.tp:
+            raise ValueError(f"--sp shards each rank's T/cp = {cfg.block_size // args.cp} positions over --tp "
+                             f"{args.tp}: it must be divisible by it")
     stage_blocks(cfg.n_layer, args.pp, 0)
     check_memory(cfg, args, world_size)
     return cfg
@@ -234,7 +246,9 @@ def build_model(args: argparse.Namespace, cfg: GPTConfig, mesh: Mesh, resumed: C
         model = GPT(cfg, seed=args.seed)
         if resumed is not None:
             model.load_state_dict(resumed.params)
-    return tensor_parallel(model, mesh.tp_comm, args.sp) if mesh.tp > 1 else model
+    if mesh.tp > 1:
+        model = tensor_parallel(model, mesh.tp_comm, args.sp)
+    return context_parallel(model, mesh.cp_comm, args.cp_kind) if mesh.cp > 1 else model
 
 
 def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoint) -> None:
@@ -296,7 +310,7 @@ def evaluate(engine: Any, pipeline: Pipeline, mesh: Mesh, batches: Batches, n_ba
     """Mean validation loss over ``n_batches`` fixed batches, each data-parallel group scoring its rows."""
     losses = []
     for i in range(n_batches):
-        x, y = (shard_rows(a, mesh.dp_rank, mesh.dp) for a in batches(i))
+        x, y = (context_slice(shard_rows(a, mesh.dp_rank, mesh.dp), mesh.cp_comm) for a in batches(i))
         loss = pipeline.forward_only(engine, x, y)
         if loss is not None:
             losses.append(loss)
@@ -407,6 +421,9 @@ def format_step(record: dict[str, Any]) -> str:
                 comm += f", {record['comm_formula_bytes'] / record['comm_bytes']:.1f}× compressed"
         if tp_bytes:
             comm += f" | tp {tp_bytes / 1e6:.2f} MB"
+        cp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith("cp_"))
+        if cp_bytes:
+            comm += f" | cp {cp_bytes / 1e6:.2f} MB"
         pp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith("pp_"))
         if pp_bytes:
             comm += f" | pp {pp_bytes / 1e6:.2f} MB, bubble {record['pipeline']['bubble']:.0%}"
@@ -496,7 +513,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     set_kernels(args.kernels)
     block = cfg.block_size
     tokens, batches, val_batches, data_note = load_data(args, block)
-    mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp)
+    mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp)
     comms = list(dict.fromkeys([world, mesh.dp_comm, mesh.cp_comm, mesh.tp_comm, mesh.pp_comm, mesh.grad_comm]))
     model = build_model(args, cfg, mesh, resumed)
     pipeline = Pipeline(model, mesh.pp_comm, args.schedule)
@@ -509,8 +526,9 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     m, lead, first_step = args.microbatches, world.rank == 0, resumed.step if resumed else 0
     progress = Progress(args, lead, first_step)
     norm_bytes = count_layer_norm_bytes(model)
-    layout = "".join(f", {k}={v}" for k, v in (("dp", mesh.dp), ("tp", mesh.tp), ("pp", mesh.pp)) if v > 1)
-    layout += (" sp" if args.sp else "") + (f" {args.schedule}" if mesh.pp > 1 else "")
+    layout = "".join(f", {k}={v}" for k, v in (("dp", mesh.dp), ("cp", mesh.cp), ("tp", mesh.tp), ("pp", mesh.pp))
+                     if v > 1)
+    layout += (f" {args.cp_kind}" if mesh.cp > 1 else "") + (" sp" if args.sp else "") + (f" {args.schedule}" if mesh.pp > 1 else "")
     layout += f" zero-{args.zero}" if args.zero else ""
     progress.say(f"minipar: GPT {cfg.num_parameters():,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} "
                  f"T={block}), {len(tokens):,} tokens, batch {args.batch_size}×{block}, {args.dtype} on "
@@ -532,7 +550,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             for c in comms:
                 c.reset_stats()
             norm_bytes["layer_norm"] = 0
-            x, y = (shard_rows(a, mesh.dp_rank, mesh.dp) for a in batches(step))
+            x, y = (context_slice(shard_rows(a, mesh.dp_rank, mesh.dp), mesh.cp_comm) for a in batches(step))
             losses = pipeline.run(engine, x, y, m)
             with trace.span("sync gradients", "comm"):
                 engine.sync_gradients()

@@ -119,4 +119,4 @@ def test_bad_parallel_config_fails_on_every_rank_before_communicating(args, mess
 
 def test_zero_needs_data_parallel_ranks():
     proc = subprocess.run([sys.executable, "-m", "minipar", "train", "--zero", "2"], capture_output=True, text=True)
-    assert proc.returncode != 0 and "--zero shards over data-parallel ranks" in proc.stderr
+    assert proc.returncode != 0 and "--zero shards over the data- and context-parallel ranks: it needs --dp or --cp >= 2" in proc.stderr

@@ -132,5 +132,5 @@ def test_errors_every_rank_shares_are_printed_once():
     with pytest.raises(AssertionError) as failure:
         _train(2, ["--tp", "3"])
     report = str(failure.value)
-    assert report.count("minipar train: error:") == 1 and "world size 2 is not divisible by tp·pp = 3·1" in report
+    assert report.count("minipar train: error:") == 1 and "world size 2 is not divisible by tp·pp·cp = 3·1·1" in report
     assert "error on rank" not in report and "exit 2" in report

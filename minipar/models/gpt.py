@@ -73,9 +73,10 @@ class CausalSelfAttention(Module):
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, dtype=cfg.dtype)
         self.n_head = cfg.n_head
         self.scale = cfg.attention_scale(layer)
+        self.core = ops.causal_self_attention  # context parallelism swaps in one that attends across ranks
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.c_proj(ops.causal_self_attention(self.c_attn(x), self.n_head, self.scale))
+        return self.c_proj(self.core(self.c_attn(x), self.n_head, self.scale))
 
 
 class MLP(Module):
@@ -108,7 +109,8 @@ class Transformer(Module):
 
 
 class GPT(Module):
-    sequence_shard = (0, 1)  # (i, n): this rank computes positions [i·T/n, (i+1)·T/n) of each sequence
+    context_shard = (0, 1)   # (i, n): the tokens this rank is given are chunk i of n of each sequence
+    sequence_shard = (0, 1)  # (j, m): of those, this rank computes shard j of m (sequence parallelism)
 
     def __init__(self, cfg: GPTConfig, seed: int = 0):
         self.config = cfg
@@ -125,10 +127,12 @@ class GPT(Module):
 
     # ---- forward, in three pieces so a pipeline stage can run just its share ----
     def positions(self, T: int) -> Any:
-        """The positions of a length-T sequence this rank computes: all of them, or its shard under sequence
-        parallelism (whose embedding returns just those rows)."""
-        i, n = self.sequence_shard
-        return xp.arange(i * T // n, (i + 1) * T // n)
+        """The positions of the T tokens this rank is given that it computes: all of them, offset by its chunk
+        under context parallelism, or its shard of them under sequence parallelism (whose embedding returns
+        just those rows)."""
+        i, _ = self.context_shard
+        j, m = self.sequence_shard
+        return i * T + xp.arange(j * T // m, (j + 1) * T // m)
 
     def embed(self, idx: Any) -> Tensor:
         T = idx.shape[1]
