@@ -96,8 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     par.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     par.add_argument("--cp", type=int, default=1, help="context-parallel degree: each sequence split over this many ranks")
-    par.add_argument("--cp-kind", choices=["ring", "ulysses"], default="ulysses",
-                     help="context parallelism: DeepSpeed-Ulysses all-to-alls (ring attention: not implemented yet)")
+    par.add_argument("--cp-kind", choices=["ring", "ulysses"], default="ring",
+                     help="context parallelism: ring attention (K/V blocks around the ring) or DeepSpeed-Ulysses")
+    par.add_argument("--cp-split", choices=["zigzag", "contiguous"],
+                     help="how a sequence is cut over the cp ranks (default: zigzag for ring, contiguous for ulysses)")
     par.add_argument("--sp", action="store_true",
                      help="sequence parallelism (Megatron-SP): layer norms and residuals on T/tp shards (with --tp)")
     par.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="pipeline schedule (with --pp)")
@@ -212,8 +214,9 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
                                  "or start a new run without --resume")
     cfg = model_config(args, resumed)
     check_tensor_parallel(cfg, args.tp, args.sp)
+    args.cp_split = args.cp_split or ("zigzag" if args.cp_kind == "ring" else "contiguous")
     if args.cp > 1:
-        check_context_parallel(cfg, args.cp, args.tp, args.cp_kind)
+        check_context_parallel(cfg, args.cp, args.tp, args.cp_kind, args.cp_split)
         if args.sp and (cfg.block_size // args.cp) % args.tp:
             raise ValueError(f"--sp shards each rank's T/cp = {cfg.block_size // args.cp} positions over --tp "
                              f"{args.tp}: it must be divisible by it")
@@ -248,7 +251,7 @@ def build_model(args: argparse.Namespace, cfg: GPTConfig, mesh: Mesh, resumed: C
             model.load_state_dict(resumed.params)
     if mesh.tp > 1:
         model = tensor_parallel(model, mesh.tp_comm, args.sp)
-    return context_parallel(model, mesh.cp_comm, args.cp_kind) if mesh.cp > 1 else model
+    return context_parallel(model, mesh.cp_comm, args.cp_kind, args.cp_split) if mesh.cp > 1 else model
 
 
 def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoint) -> None:
@@ -306,11 +309,11 @@ def mean_loss(losses: list[float], mesh: Mesh) -> float:
     return float(mesh.grad_comm.all_reduce(mesh.pp_comm.all_reduce(local, label="loss"), op="avg", label="loss")[0])
 
 
-def evaluate(engine: Any, pipeline: Pipeline, mesh: Mesh, batches: Batches, n_batches: int) -> float:
+def evaluate(engine: Any, pipeline: Pipeline, mesh: Mesh, batches: Batches, n_batches: int, split: str) -> float:
     """Mean validation loss over ``n_batches`` fixed batches, each data-parallel group scoring its rows."""
     losses = []
     for i in range(n_batches):
-        x, y = (context_slice(shard_rows(a, mesh.dp_rank, mesh.dp), mesh.cp_comm) for a in batches(i))
+        x, y = (context_slice(shard_rows(a, mesh.dp_rank, mesh.dp), mesh.cp_comm, split) for a in batches(i))
         loss = pipeline.forward_only(engine, x, y)
         if loss is not None:
             losses.append(loss)
@@ -528,7 +531,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     norm_bytes = count_layer_norm_bytes(model)
     layout = "".join(f", {k}={v}" for k, v in (("dp", mesh.dp), ("cp", mesh.cp), ("tp", mesh.tp), ("pp", mesh.pp))
                      if v > 1)
-    layout += (f" {args.cp_kind}" if mesh.cp > 1 else "") + (" sp" if args.sp else "") + (f" {args.schedule}" if mesh.pp > 1 else "")
+    layout += (f" {args.cp_kind} {args.cp_split}" if mesh.cp > 1 else "") + (" sp" if args.sp else "")
+    layout += f" {args.schedule}" if mesh.pp > 1 else ""
     layout += f" zero-{args.zero}" if args.zero else ""
     progress.say(f"minipar: GPT {cfg.num_parameters():,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} "
                  f"T={block}), {len(tokens):,} tokens, batch {args.batch_size}×{block}, {args.dtype} on "
@@ -550,7 +554,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             for c in comms:
                 c.reset_stats()
             norm_bytes["layer_norm"] = 0
-            x, y = (context_slice(shard_rows(a, mesh.dp_rank, mesh.dp), mesh.cp_comm) for a in batches(step))
+            x, y = (context_slice(shard_rows(a, mesh.dp_rank, mesh.dp), mesh.cp_comm, args.cp_split) for a in batches(step))
             losses = pipeline.run(engine, x, y, m)
             with trace.span("sync gradients", "comm"):
                 engine.sync_gradients()
@@ -574,7 +578,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                                    "was saved (try a lower --lr, a longer --warmup or --grad-clip)")
             last = step + 1 == args.steps
             if val_batches and args.eval_interval and ((step + 1) % args.eval_interval == 0 or last):
-                val = {"step": step + 1, "val_loss": evaluate(engine, pipeline, mesh, val_batches, args.eval_batches)}
+                val_loss = evaluate(engine, pipeline, mesh, val_batches, args.eval_batches, args.cp_split)
+                val = {"step": step + 1, "val_loss": val_loss}
                 records.append(val)
                 progress.evaluation(val)
             stop = preemption.requested()

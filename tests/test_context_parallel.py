@@ -1,12 +1,16 @@
-"""Context parallelism (DeepSpeed-Ulysses) reproduces single-process training (float64, 20 steps, losses and
-final parameters) alone and combined with dp, zero-3, tp (+sp) and pp; its all-to-alls send what the formula
-says; bad layouts are refused before any communication."""
+"""Context parallelism — ring attention (zigzag and contiguous splits) and DeepSpeed-Ulysses — reproduces
+single-process training (float64, 20 steps, losses and final parameters) alone and combined with dp, zero-3,
+tp (+sp) and pp; its messages send what the formulas say; the zigzag split balances the causal attention
+work; bad layouts are refused before any communication."""
 import sys
 
 import pytest
 
+import numpy as np
+from mpi4py import MPI
+
 from minipar.comm.collectives import all_to_all_bytes_sent
-from minipar.testing import assert_same_training, run_command, train_cli
+from minipar.testing import assert_same_training, run_command, run_ranks, train_cli
 
 L, B, T, H, C = 2, 8, 24, 12, 24
 
@@ -21,27 +25,67 @@ def single(tmp_path_factory):
     return train_cli(model(), 1, str(tmp_path_factory.mktemp("single") / "out"))
 
 
-@pytest.mark.parametrize("layout", [["--cp", "2"], ["--cp", "3"], ["--cp", "4"], ["--cp", "2", "--dp", "2", "--zero", "3"],
-                                    ["--cp", "2", "--tp", "2", "--sp"], ["--cp", "2", "--pp", "2"]])
-def test_ulysses_matches_single_process(tmp_path, single, layout):
+ALONE = [["--cp", "2"], ["--cp", "3"], ["--cp", "4"]]
+COMBINED = [["--cp", "2", "--dp", "2", "--zero", "3"], ["--cp", "2", "--tp", "2", "--sp"], ["--cp", "2", "--pp", "2"]]
+CASES = ([(layout, "ring", "zigzag") for layout in ALONE + COMBINED]
+         + [(layout, "ring", "contiguous") for layout in ALONE]
+         + [(layout, "ulysses", "contiguous") for layout in ALONE + COMBINED])
+
+
+@pytest.mark.parametrize("layout,kind,split", CASES)
+def test_matches_single_process(tmp_path, single, layout, kind, split):
     flags = dict(zip([a for a in layout if a.startswith("--") and a != "--sp"],
                      map(int, [v for v in layout if not v.startswith("--")])))
     ranks = flags["--cp"] * flags.get("--dp", 1) * flags.get("--tp", 1) * flags.get("--pp", 1)
-    result = train_cli([*model(), *layout, "--cp-kind", "ulysses"], ranks, str(tmp_path / "cp"))
+    result = train_cli([*model(), *layout, "--cp-kind", kind, "--cp-split", split], ranks, str(tmp_path / "cp"))
     assert_same_training(result, single)
     cp, dp, tp = flags["--cp"], flags.get("--dp", 1), flags.get("--tp", 1)
-    if flags.get("--pp", 1) == 1:  # per layer and direction: q|k|v to heads, the output back, pairwise
-        local = B // dp * (T // cp) * C // tp
-        per_layer = (all_to_all_bytes_sent([3 * local // cp] * cp, 8, 0, "pairwise")
-                     + all_to_all_bytes_sent([local // cp] * cp, 8, 0, "pairwise"))
-        for record in result[0]:
-            assert record["comm_bytes_by_op"]["cp_forward"] == record["comm_bytes_by_op"]["cp_backward"] == L * per_layer
+    if flags.get("--pp", 1) > 1:
+        return
+    local = B // dp * (T // cp) * C // tp  # this rank's q (or k, or v) elements per layer
+    if kind == "ulysses":  # per layer and direction: q|k|v to heads, the output back, pairwise
+        forward = backward = L * (all_to_all_bytes_sent([3 * local // cp] * cp, 8, 0, "pairwise")
+                                  + all_to_all_bytes_sent([local // cp] * cp, 8, 0, "pairwise"))
+    else:  # K|V around the ring cp−1 times forward; K|V|dK|dV cp times backward
+        forward, backward = L * (cp - 1) * 2 * local * 8, L * cp * 4 * local * 8
+    for record in result[0]:
+        assert record["comm_bytes_by_op"]["cp_forward"] == forward
+        assert record["comm_bytes_by_op"]["cp_backward"] == backward
+
+
+def _attention_work(split):
+    """One forward with ring attention: the (query, key) pairs each rank scores, gathered everywhere."""
+    from minipar.comm import Communicator
+    from minipar.models.gpt import GPT, GPTConfig
+    from minipar.parallel.context_parallel import context_parallel, context_slice
+
+    comm = Communicator()
+    N = comm.size
+    gpt = context_parallel(GPT(GPTConfig(vocab_size=16, block_size=8 * N, n_layer=1, n_head=2, n_embd=8)), comm,
+                           "ring", split)
+    idx = np.arange(8 * N)[None, :] % 16
+    gpt(context_slice(idx, comm, split))
+    work = comm.mpi.allgather(gpt.context_work[0])
+    t = 8  # positions per rank; 2 heads, 1 sample
+    if split == "zigzag":
+        assert len(set(work)) == 1 and sum(work) == 2 * (8 * N) * (8 * N + 1) // 2
+    else:  # rank r: r full blocks before its own triangle
+        assert work == [2 * (r * t * t + t * (t + 1) // 2) for r in range(N)]
+    if comm.rank == 0:
+        print(f"{split}: attention work per rank max/min = {max(work) / min(work):.2f}")
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("split", ["zigzag", "contiguous"])
+def test_zigzag_balances_the_causal_work(p, split):
+    run_ranks(p, _attention_work, split, timeout=60)
 
 
 @pytest.mark.parametrize("ranks,args,message", [
-    (2, ["--cp", "2", "--block-size", "25"], "(--block-size 25) must be divisible by it"),
-    (2, ["--cp", "2", "--n-head", "3", "--n-embd", "24"], "n_head / tp = 3 must be divisible by it"),
-    (2, ["--cp", "2", "--cp-kind", "ring"], "only ['ulysses'] is implemented so far"),
+    (2, ["--cp", "2", "--block-size", "26"], "cuts each sequence into 4 chunks: the sequence length (--block-size 26)"),
+    (2, ["--cp", "2", "--cp-split", "contiguous", "--block-size", "25"], "must be divisible by 2"),
+    (2, ["--cp", "2", "--cp-kind", "ulysses", "--n-head", "3", "--n-embd", "24"], "n_head / tp = 3 must be divisible"),
+    (2, ["--cp", "2", "--cp-kind", "ulysses", "--cp-split", "zigzag"], "use --cp-split contiguous"),
     (3, ["--cp", "2"], "world size 3 is not divisible by tp·pp·cp = 1·1·2"),
 ])
 def test_bad_context_parallel_layouts(ranks, args, message):

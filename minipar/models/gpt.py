@@ -109,7 +109,8 @@ class Transformer(Module):
 
 
 class GPT(Module):
-    context_shard = (0, 1)   # (i, n): the tokens this rank is given are chunk i of n of each sequence
+    # the positions of the T tokens this rank is given: 0 … T−1, or its chunks of each sequence (context parallelism)
+    given_positions = staticmethod(lambda T: xp.arange(T))
     sequence_shard = (0, 1)  # (j, m): of those, this rank computes shard j of m (sequence parallelism)
 
     def __init__(self, cfg: GPTConfig, seed: int = 0):
@@ -127,12 +128,11 @@ class GPT(Module):
 
     # ---- forward, in three pieces so a pipeline stage can run just its share ----
     def positions(self, T: int) -> Any:
-        """The positions of the T tokens this rank is given that it computes: all of them, offset by its chunk
-        under context parallelism, or its shard of them under sequence parallelism (whose embedding returns
-        just those rows)."""
-        i, _ = self.context_shard
+        """The positions of the T tokens this rank is given that it computes: all of them — 0 … T−1, or its
+        chunks of each sequence under context parallelism — or its shard of them under sequence parallelism
+        (whose embedding returns just those rows)."""
         j, m = self.sequence_shard
-        return i * T + xp.arange(j * T // m, (j + 1) * T // m)
+        return self.given_positions(T)[j * T // m:(j + 1) * T // m]
 
     def embed(self, idx: Any) -> Tensor:
         T = idx.shape[1]

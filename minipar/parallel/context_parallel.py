@@ -1,39 +1,52 @@
-"""Context parallelism: every sample's sequence split over cp ranks — here DeepSpeed-Ulysses (Jacobs et al. 2023).
+"""Context parallelism: every sample's sequence split over cp ranks — ring attention (default) or Ulysses.
 
-Rank c of a cp group is given positions [c·T/cp, (c+1)·T/cp) of every sequence of its data-parallel
-rows: its tokens, targets and position embeddings. Everything but attention is per token and needs no
-communication. Attention needs all T keys for every query, so around it two all-to-alls re-slice the
-activations from sequence-sharded to head-sharded and back:
+Rank c of a cp group is given some positions of every sequence of its data-parallel rows: its tokens,
+targets and position embeddings. Everything but attention is per token and needs no communication.
+Attention needs every key for every query; two ways to get them:
+
+Ring attention (``kind="ring"``; Liu et al. 2023, as in torchtitan and picotron). The K/V blocks travel
+around the cp ranks (isend right, irecv left), each overlapped with the attention of the block in hand;
+partial results merge by the online-softmax (log-sum-exp) rule and the backward sends dK/dV around the
+ring with their blocks (:class:`RingAttention`). With a causal mask the early positions attend to little:
+a ``contiguous`` split leaves rank 0 almost idle and the last rank with most of the work; the ``zigzag``
+split gives rank c chunks c and 2·cp−1−c of 2·cp, one early and one late, so the work is equal
+(``model.context_work`` counts it). Per rank and layer it sends (cp−1)·2 blocks of K|V forward and
+cp·4 blocks of K|V|dK|dV backward.
+
+DeepSpeed-Ulysses (``kind="ulysses"``; Jacobs et al. 2023; contiguous chunks). Two all-to-alls re-slice
+the activations from sequence-sharded to head-sharded and back:
 
     qkv (B, T/cp, 3, H, D) ──all-to-all──> (B, T, 3, H/cp, D)     every rank: all positions, H/cp heads
     causal attention on H/cp heads, exactly as one process computes those heads
     y   (B, T, H/cp, D)    ──all-to-all──> (B, T/cp, H, D)         back to this rank's positions
 
-Backward is the conjugate pair (each all-to-all's gradient is the opposite all-to-all). Per layer and
-direction a rank sends (cp−1)/cp of its 3·B·(T/cp)·C' + B·(T/cp)·C' elements (C' = C/tp, the heads this
-tp rank holds) with the pairwise algorithm — a volume independent of cp per rank at fixed B·T/cp.
+with the conjugate all-to-alls in backward. Per layer and direction a rank sends (cp−1)/cp of its
+3·B·(T/cp)·C' + B·(T/cp)·C' elements (C' = C/tp, the heads this tp rank holds), pairwise.
 
-Why it equals single-process training. Attention per head is computed whole, on one rank; all other
-layers are per token. Each rank's loss is the mean over its T/cp positions, and parameters are
-replicated over cp like over dp, so averaging gradients over the dp×cp ranks (``Mesh.grad_comm``)
-gives the gradient of the mean over all tokens — autograd's backward through the all-to-alls routes
-every rank's share of every other rank's loss to where it belongs.
+Why both equal single-process training. Every (query, key) score is computed once, on one rank, with
+the same causal mask on global positions; all other layers are per token. Each rank's loss is the mean
+over its T/cp positions, and parameters are replicated over cp like over dp, so averaging gradients
+over the dp×cp ranks (``Mesh.grad_comm``) gives the gradient of the mean over all tokens — autograd's
+backward through the exchanges routes every rank's share of every other rank's loss to where it belongs.
 
-Constraints: T divisible by cp; the heads a rank holds (n_head / tp) divisible by cp.
+Constraints: T divisible by cp (contiguous) or 2·cp (zigzag); for Ulysses the heads a rank holds
+(n_head / tp) divisible by cp.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
 from minipar import ops
 from minipar.autograd import Context, Function, Tensor
-from minipar.backend import xp
+from minipar.backend import to_device, xp
 from minipar.comm import Communicator
 from minipar.models.gpt import GPT
 
-KINDS = ("ulysses",)
+KINDS = ("ring", "ulysses")
+SPLITS = ("zigzag", "contiguous")
 
 
 def scatter_heads(comm: Communicator, x: Any, label: str) -> Any:
@@ -100,29 +113,134 @@ class UlyssesAttention:
         return HeadsToSequence.apply(y, self.comm, n_head)
 
 
-def check_context_parallel(cfg: Any, cp: int, tp: int, kind: str) -> None:
+_RING_TAG = 900  # point-to-point tag of the ring's K/V (and dK/dV) blocks, below the collectives' tags
+
+
+def chunk_positions(rank: int, size: int, t: int, split: str) -> Any:
+    """The global positions of the t tokens of each sequence that ``rank`` of ``size`` holds.
+    contiguous: chunk ``rank`` of ``size``; zigzag: chunks ``rank`` and 2·size−1−rank of 2·size, so every rank
+    holds an early and a late chunk and the causal attention work is the same on every rank."""
+    if split == "contiguous":
+        return np.arange(rank * t, (rank + 1) * t)
+    c = t // 2
+    return np.concatenate([np.arange(rank * c, (rank + 1) * c), np.arange((2 * size - 1 - rank) * c, (2 * size - rank) * c)])
+
+
+class RingAttention(Function):
+    """Causal attention of this rank's queries against every rank's keys and values, which travel around the ring.
+
+    Forward, step s = 0 … N−1: the K/V block of rank r−s is in hand; the block of rank r−s−1 is already on its
+    way (isend right / irecv left, overlapped with this block's attention). Per block: scores masked by the
+    global positions (key after query: −∞; a block entirely after every query is skipped), and the
+    online-softmax merge  m' = max(m, m_b),  l' = l·e^{m−m'} + Σ e^{S−m'},  o' = o·e^{m−m'} + e^{S−m'} V.
+    out = o / l, and the log-sum-exp L = m + log l is saved. Backward: with Δ = Σ dO ⊙ O per query, each
+    block gives dV += Pᵀ dO, dS = P ⊙ (dO Vᵀ − Δ), dQ += s·dS K, dK += s·dSᵀ Q (P = e^{S−L}); the K, V, dK,
+    dV of a block travel together and after N hops come home complete. Bytes per rank and layer: (N−1)·2·n
+    forward, N·4·n backward, n = B·(H/tp)·t·D elements.
+    """
+
+    @staticmethod
+    def forward(ctx: Context, qkv: Any, comm: Communicator, n_head: int, scale: float | None, split: str,
+                work: list[int]) -> Any:
+        B, t, width = qkv.shape
+        H, D = n_head, width // (3 * n_head)
+        q, k, v = qkv.reshape(B, t, 3, H, D).transpose(2, 0, 3, 1, 4)  # (B, H, t, D) views
+        scale = 1.0 / math.sqrt(D) if scale is None else scale
+        r, N = comm.rank, comm.size
+        positions_of = lambda rank: to_device(chunk_positions(rank, N, t, split))  # noqa: E731
+        mine = positions_of(r)
+        m = xp.full((B, H, t), -xp.inf, dtype=qkv.dtype)
+        l, o = xp.zeros((B, H, t), qkv.dtype), xp.zeros((B, H, t, D), qkv.dtype)
+        kv = xp.ascontiguousarray(xp.stack([k, v]))
+        for s in range(N):
+            if s < N - 1:  # the next block is on its way while this one is computed
+                arriving = xp.empty_like(kv)
+                receive = comm.irecv(arriving, (r - 1) % N, _RING_TAG)
+                send = comm.isend(kv, (r + 1) % N, _RING_TAG, label="cp_forward")
+            masked = positions_of((r - s) % N)[None, :] > mine[:, None]
+            if not masked.all():
+                work[0] += int((~masked).sum()) * B * H
+                scores = xp.where(masked, -xp.inf, (q @ xp.swapaxes(kv[0], -1, -2)) * scale)
+                m_new = xp.maximum(m, scores.max(axis=-1))
+                safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
+                p = xp.exp(scores - safe[..., None])
+                decay = xp.exp(m - safe)
+                l = l * decay + p.sum(axis=-1)
+                o = o * decay[..., None] + p @ kv[1]
+                m = m_new
+            if s < N - 1:
+                send.wait()
+                kv = receive.wait()
+        out = o / l[..., None]
+        ctx.save_for_backward(q, k, v, out, m + xp.log(l))
+        ctx.comm, ctx.scale, ctx.positions_of = comm, scale, positions_of
+        return out.transpose(0, 2, 1, 3).reshape(B, t, H * D)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        q, k, v, out, lse = ctx.saved
+        comm, scale, positions_of = ctx.comm, ctx.scale, ctx.positions_of
+        B, H, t, D = q.shape
+        r, N = comm.rank, comm.size
+        mine = positions_of(r)
+        do = xp.ascontiguousarray(g.reshape(B, t, H, D).transpose(0, 2, 1, 3))
+        delta = (do * out).sum(axis=-1)
+        dq = xp.zeros_like(q)
+        travel = xp.ascontiguousarray(xp.stack([k, v, xp.zeros_like(k), xp.zeros_like(v)]))  # K, V, dK, dV
+        for s in range(N):
+            masked = positions_of((r - s) % N)[None, :] > mine[:, None]
+            if not masked.all():
+                kj, vj, dkj, dvj = travel
+                scores = xp.where(masked, -xp.inf, (q @ xp.swapaxes(kj, -1, -2)) * scale)
+                p = xp.exp(scores - lse[..., None])
+                dvj += xp.swapaxes(p, -1, -2) @ do
+                ds = p * (do @ xp.swapaxes(vj, -1, -2) - delta[..., None])
+                dq += (ds @ kj) * scale
+                dkj += (xp.swapaxes(ds, -1, -2) @ q) * scale
+            arriving = xp.empty_like(travel)  # every block moves on, N hops in all: home again at the end
+            receive = comm.irecv(arriving, (r - 1) % N, _RING_TAG + 1)
+            comm.isend(travel, (r + 1) % N, _RING_TAG + 1, label="cp_backward").wait()
+            travel = receive.wait()
+        dqkv = xp.stack([dq, travel[2], travel[3]]).transpose(1, 3, 0, 2, 4)  # (B, t, 3, H, D)
+        return xp.ascontiguousarray(dqkv).reshape(B, t, 3 * H * D), None, None, None, None, None
+
+
+class RingAttentionCore:
+    """The attention of one block under ring context parallelism; ``work[0]`` counts the (query, key) pairs
+    this rank scored (per head and sample), to show the causal load balance of the split."""
+
+    def __init__(self, comm: Communicator, split: str, work: list[int]):
+        self.comm, self.split, self.work = comm, split, work
+
+    def __call__(self, qkv: Tensor, n_head: int, scale: float | None) -> Tensor:
+        return RingAttention.apply(qkv, self.comm, n_head, scale, self.split, self.work)
+
+
+def check_context_parallel(cfg: Any, cp: int, tp: int, kind: str, split: str) -> None:
     """Raise before any communication if a GPT config cannot be split over ``cp`` context-parallel ranks."""
-    if kind not in KINDS:
-        raise ValueError(f"--cp-kind {kind!r}: only {list(KINDS)} is implemented so far (ring attention is not yet)")
-    if cfg.block_size % cp:
-        raise ValueError(f"--cp {cp} splits each sequence: the sequence length (--block-size {cfg.block_size}) "
-                         "must be divisible by it")
-    if (cfg.n_head // tp) % cp:
+    if kind == "ulysses" and split != "contiguous":
+        raise ValueError("--cp-kind ulysses gathers whole sequences per head: use --cp-split contiguous")
+    parts = 2 * cp if split == "zigzag" else cp
+    if cfg.block_size % parts:
+        raise ValueError(f"--cp {cp} with --cp-split {split} cuts each sequence into {parts} chunks: the sequence "
+                         f"length (--block-size {cfg.block_size}) must be divisible by {parts}")
+    if kind == "ulysses" and (cfg.n_head // tp) % cp:
         raise ValueError(f"--cp {cp} (Ulysses) splits the attention heads of each tp rank: n_head / tp = "
                          f"{cfg.n_head // tp} must be divisible by it")
 
 
-def context_slice(a: np.ndarray, comm: Communicator) -> np.ndarray:
-    """This rank's contiguous chunk of the positions of a (B, T) batch."""
-    t = a.shape[1] // comm.size
-    return a[:, comm.rank * t:(comm.rank + 1) * t]
+def context_slice(a: np.ndarray, comm: Communicator, split: str) -> np.ndarray:
+    """This rank's tokens of a (B, T) batch: its positions in every sequence."""
+    return a[:, chunk_positions(comm.rank, comm.size, a.shape[1] // comm.size, split)]
 
 
-def context_parallel(model: GPT, comm: Communicator, kind: str = "ulysses") -> GPT:
-    """Make ``model`` attend across the ``comm`` ranks that split each sequence (in place)."""
+def context_parallel(model: GPT, comm: Communicator, kind: str = "ring", split: str = "zigzag") -> GPT:
+    """Make ``model`` attend across the ``comm`` ranks that split each sequence (in place); returns it.
+    ``model.context_work`` counts the attention work of this rank (ring attention)."""
     tp = model.tp_comm.size if hasattr(model, "tp_comm") else 1
-    check_context_parallel(model.config, comm.size, tp, kind)
+    check_context_parallel(model.config, comm.size, tp, kind, split)
+    model.given_positions = lambda T: to_device(chunk_positions(comm.rank, comm.size, T, split))
+    model.context_work = [0]
     for block in model.transformer.h:
-        block.attn.core = UlyssesAttention(comm)
-    model.context_shard = (comm.rank, comm.size)
+        block.attn.core = UlyssesAttention(comm) if kind == "ulysses" else RingAttentionCore(comm, split, model.context_work)
     return model
