@@ -302,6 +302,15 @@ def count_layer_norm_bytes(model: GPT) -> dict[str, int]:
     return counter
 
 
+def context_report(model: GPT, cp_comm: Communicator) -> dict[str, float]:
+    """Ring attention's balance across the cp ranks this step: (query, key) pairs scored, max and min over the
+    ranks, and the forward's exposed communication (ms, the slowest rank)."""
+    work = model.context_work
+    gathered = cp_comm.all_gather(np.array([work["pairs"], work["wait_s"]], np.float64), label="cp_report").reshape(-1, 2)
+    return {"attention_pairs_max": float(gathered[:, 0].max()), "attention_pairs_min": float(gathered[:, 0].min()),
+            "ring_wait_ms": float(gathered[:, 1].max() * 1e3)}
+
+
 def mean_loss(losses: list[float], mesh: Mesh) -> float:
     """The global mean of per-microbatch losses that live on the last pipeline stage of every replica (each
     dp·cp rank's loss is the mean over as many tokens, so the average of theirs is the mean over all)."""
@@ -554,6 +563,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             for c in comms:
                 c.reset_stats()
             norm_bytes["layer_norm"] = 0
+            if mesh.cp > 1:
+                model.context_work.update(pairs=0, wait_s=0.0)
             x, y = (context_slice(shard_rows(a, mesh.dp_rank, mesh.dp), mesh.cp_comm, args.cp_split) for a in batches(step))
             losses = pipeline.run(engine, x, y, m)
             with trace.span("sync gradients", "comm"):
@@ -570,6 +581,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             record = step_record(step, args, loss, float(norm), (time.perf_counter() - t0) * 1e3, world, comms, engine,
                                  local_sgd, outer_round, state_bytes, pipeline, mesh, optimizer.lr,
                                  args.batch_size * block, norm_bytes)
+            if mesh.cp > 1 and args.cp_kind == "ring":
+                record["context"] = context_report(model, mesh.cp_comm)
             records.append(record)
             progress.step(record)
             if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):

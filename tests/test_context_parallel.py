@@ -65,7 +65,7 @@ def _attention_work(split):
                            "ring", split)
     idx = np.arange(8 * N)[None, :] % 16
     gpt(context_slice(idx, comm, split))
-    work = comm.mpi.allgather(gpt.context_work[0])
+    work = comm.mpi.allgather(gpt.context_work["pairs"])
     t = 8  # positions per rank; 2 heads, 1 sample
     if split == "zigzag":
         assert len(set(work)) == 1 and sum(work) == 2 * (8 * N) * (8 * N + 1) // 2

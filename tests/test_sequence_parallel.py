@@ -12,7 +12,7 @@ from minipar.testing import assert_same_training, run_command, train_cli
 L, B, T = 2, 8, 24
 
 
-def model(heads=6, width=24):
+def model(heads=12, width=24):
     return ["--n-layer", str(L), "--n-head", str(heads), "--n-embd", str(width), "--block-size", str(T),
             "--batch-size", str(B), "--steps", "20", "--eval-interval", "0", "--json", "--lr", "3e-3", "--warmup", "5",
             "--dtype", "float64"]
@@ -29,7 +29,7 @@ def _ring_pair_bytes(n, tp, rank):
     return all_gather_bytes_sent(bounds, 8, rank, "ring") + reduce_scatter_bytes_sent(bounds, 8, rank, "ring")
 
 
-@pytest.mark.parametrize("layout", [["--tp", "2"], ["--tp", "3"], ["--tp", "2", "--dp", "2"],
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--tp", "3"], ["--tp", "4"], ["--tp", "2", "--dp", "2"],
                                     ["--tp", "2", "--dp", "2", "--zero", "3"], ["--tp", "2", "--pp", "2"]])
 def test_matches_single_process(tmp_path, single, layout):
     flags = dict(zip(layout[::2], map(int, layout[1::2])))

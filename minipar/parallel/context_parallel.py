@@ -10,7 +10,7 @@ partial results merge by the online-softmax (log-sum-exp) rule and the backward 
 ring with their blocks (:class:`RingAttention`). With a causal mask the early positions attend to little:
 a ``contiguous`` split leaves rank 0 almost idle and the last rank with most of the work; the ``zigzag``
 split gives rank c chunks c and 2·cp−1−c of 2·cp, one early and one late, so the work is equal
-(``model.context_work`` counts it). Per rank and layer it sends (cp−1)·2 blocks of K|V forward and
+(``model.context_work["pairs"]`` counts it; ``["wait_s"]`` the time spent waiting for blocks). Per rank and layer it sends (cp−1)·2 blocks of K|V forward and
 cp·4 blocks of K|V|dK|dV backward.
 
 DeepSpeed-Ulysses (``kind="ulysses"``; Jacobs et al. 2023; contiguous chunks). Two all-to-alls re-slice
@@ -35,6 +35,7 @@ Constraints: T divisible by cp (contiguous) or 2·cp (zigzag); for Ulysses the h
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -141,7 +142,7 @@ class RingAttention(Function):
 
     @staticmethod
     def forward(ctx: Context, qkv: Any, comm: Communicator, n_head: int, scale: float | None, split: str,
-                work: list[int]) -> Any:
+                work: dict[str, float]) -> Any:
         B, t, width = qkv.shape
         H, D = n_head, width // (3 * n_head)
         q, k, v = qkv.reshape(B, t, 3, H, D).transpose(2, 0, 3, 1, 4)  # (B, H, t, D) views
@@ -159,7 +160,7 @@ class RingAttention(Function):
                 send = comm.isend(kv, (r + 1) % N, _RING_TAG, label="cp_forward")
             masked = positions_of((r - s) % N)[None, :] > mine[:, None]
             if not masked.all():
-                work[0] += int((~masked).sum()) * B * H
+                work["pairs"] += int((~masked).sum()) * B * H
                 scores = xp.where(masked, -xp.inf, (q @ xp.swapaxes(kv[0], -1, -2)) * scale)
                 m_new = xp.maximum(m, scores.max(axis=-1))
                 safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
@@ -169,8 +170,10 @@ class RingAttention(Function):
                 o = o * decay[..., None] + p @ kv[1]
                 m = m_new
             if s < N - 1:
+                waited = time.perf_counter()
                 send.wait()
                 kv = receive.wait()
+                work["wait_s"] += time.perf_counter() - waited  # the exchange the block's attention did not hide
         out = o / l[..., None]
         ctx.save_for_backward(q, k, v, out, m + xp.log(l))
         ctx.comm, ctx.scale, ctx.positions_of = comm, scale, positions_of
@@ -206,10 +209,11 @@ class RingAttention(Function):
 
 
 class RingAttentionCore:
-    """The attention of one block under ring context parallelism; ``work[0]`` counts the (query, key) pairs
-    this rank scored (per head and sample), to show the causal load balance of the split."""
+    """The attention of one block under ring context parallelism; ``work["pairs"]`` counts the (query, key)
+    pairs this rank scored (per head and sample), to show the causal load balance of the split, and
+    ``work["wait_s"]`` the forward's exposed communication."""
 
-    def __init__(self, comm: Communicator, split: str, work: list[int]):
+    def __init__(self, comm: Communicator, split: str, work: dict[str, float]):
         self.comm, self.split, self.work = comm, split, work
 
     def __call__(self, qkv: Tensor, n_head: int, scale: float | None) -> Tensor:
@@ -236,11 +240,11 @@ def context_slice(a: np.ndarray, comm: Communicator, split: str) -> np.ndarray:
 
 def context_parallel(model: GPT, comm: Communicator, kind: str = "ring", split: str = "zigzag") -> GPT:
     """Make ``model`` attend across the ``comm`` ranks that split each sequence (in place); returns it.
-    ``model.context_work`` counts the attention work of this rank (ring attention)."""
+    ``model.context_work`` counts the attention work of this rank and its waits (ring attention)."""
     tp = model.tp_comm.size if hasattr(model, "tp_comm") else 1
     check_context_parallel(model.config, comm.size, tp, kind, split)
     model.given_positions = lambda T: to_device(chunk_positions(comm.rank, comm.size, T, split))
-    model.context_work = [0]
+    model.context_work = {"pairs": 0, "wait_s": 0.0}
     for block in model.transformer.h:
         block.attn.core = UlyssesAttention(comm) if kind == "ulysses" else RingAttentionCore(comm, split, model.context_work)
     return model
