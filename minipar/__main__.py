@@ -108,7 +108,7 @@ def plan_command(args: argparse.Namespace) -> None:
     if args.memory_gb:
         profile = dataclasses.replace(profile, memory=args.memory_gb * 1e9)
     itemsize = planner.ITEMSIZE[args.dtype]
-    predictions = planner.plan(cfg, args.world, args.batch_size, profile, itemsize, args.recompute)
+    predictions = planner.plan(cfg, args.world, args.batch_size, profile, itemsize, args.recompute, not args.no_context)
     if args.layout:
         wanted = dict(part.split("=") for part in args.layout.split(","))
         predictions = [p for p in predictions if all(str(getattr(p.layout, k)) == v for k, v in wanted.items())]
@@ -184,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
                                       "for --world ranks, measured on first use)")
     pl.add_argument("--memory-gb", type=float, help="override the profile's device memory")
     pl.add_argument("--recompute", action="store_true", help="also consider activation recomputation (what-if)")
-    pl.add_argument("--layout", help="show only layouts matching e.g. dp=8,tp=8,pp=16")
+    pl.add_argument("--layout", help="show only layouts matching e.g. dp=8,tp=8,pp=16 (or cp=2,sp=True)")
+    pl.add_argument("--no-context", action="store_true",
+                    help="leave out context and sequence parallelism (the published 2021 runs had neither)")
     pl.add_argument("--top", type=int, default=10, help="layouts to print")
     pl.add_argument("--calibrate", action="store_true",
                     help="measure this machine and save its profile (run under mpiexec -n WORLD)")

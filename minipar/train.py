@@ -146,8 +146,9 @@ def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
     choice = json.loads(world.all_gather_bytes(json.dumps(choice).encode(), label="plan")[0])
     args.dp, args.tp, args.pp, args.zero = choice["dp"], choice["tp"], choice["pp"], choice["zero"]
     args.microbatches, args.schedule = choice["microbatches"], choice["schedule"]
+    args.cp, args.cp_kind, args.sp, args.cp_split = choice["cp"], choice["cp_kind"], choice["sp"], None
     if world.rank == 0 and not args.json:
-        print(f"auto: {planner.Layout(**{k: choice[k] for k in ('dp', 'tp', 'pp', 'zero', 'microbatches', 'schedule')})}"
+        print(f"auto: {planner.Layout(**{k: choice[k] for k in dataclasses.asdict(best.layout)})}"
               f" of {choice['candidates']} layouts, predicted {choice['step_ms']:.1f} ms/step, "
               f"{choice['memory_gb']:.3f} GB per rank ({profile.name})", flush=True)
 
@@ -229,7 +230,8 @@ def check_memory(cfg: GPTConfig, args: argparse.Namespace, world_size: int) -> N
     """Refuse a run whose estimated peak (the planner's model states + activations per rank, for the ranks on
     this machine) exceeds the memory available here, instead of letting the OOM killer end it mid-step."""
     itemsize = planner.ITEMSIZE[args.dtype]
-    layout = planner.Layout(args.dp, args.tp, args.pp, args.zero, args.microbatches, args.schedule)
+    layout = planner.Layout(args.dp, args.tp, args.pp, args.zero, args.microbatches, args.schedule, False, args.cp,
+                            args.cp_kind, args.sp)
     states, activations = planner.memory_per_rank(cfg, args.batch_size, layout, itemsize)
     per_rank = states * itemsize / 4 + activations  # the planner's 16Ψ counts 4-byte words
     # on the CPU the ranks on this machine share its memory; on GPUs each rank has its own device

@@ -18,11 +18,29 @@ def test_enumeration_follows_the_engine_rules():
     layouts = planner.enumerate_layouts(CFG, 8, 16)
     assert layouts and len(set(layouts)) == len(layouts)
     for lay in layouts:
-        assert lay.dp * lay.tp * lay.pp == 8
+        assert lay.dp * lay.tp * lay.pp * lay.cp == 8
         assert CFG.n_head % lay.tp == 0 and lay.pp <= CFG.n_layer and 16 % (lay.dp * lay.microbatches) == 0
-        assert not (lay.zero and lay.dp == 1) and not (lay.zero >= 2 and lay.pp > 1)
+        assert not (lay.zero and lay.dp * lay.cp == 1) and not (lay.zero >= 2 and lay.pp > 1)
+        assert CFG.block_size % (2 * lay.cp if lay.cp_kind == "ring" else lay.cp) == 0 and not (lay.sp and lay.tp == 1)
+        assert lay.cp_kind == "ring" or (CFG.n_head // lay.tp) % lay.cp == 0
     assert planner.Layout(8, 1, 1, 3, 1) in layouts and planner.Layout(2, 2, 2, 1, 4) in layouts
+    assert planner.Layout(2, 2, 1, 0, 1, cp=2, cp_kind="ulysses", sp=True) in layouts
+    assert planner.Layout(1, 1, 1, 3, 1, cp=8) in layouts and planner.Layout(1, 1, 1, 0, 1, cp=8, cp_kind="ulysses") not in layouts
     assert not [lay for lay in layouts if lay.tp == 8]  # 8 does not divide n_head = 4
+    assert all(lay.cp == 1 and not lay.sp for lay in planner.enumerate_layouts(CFG, 8, 16, context=False))
+
+
+def test_context_and_sequence_terms():
+    profile = planner.BUILTIN_PROFILES["a100-80gb"]
+    long = GPTConfig(vocab_size=256, block_size=4096, n_layer=4, n_head=8, n_embd=512)
+    one, two = (planner.predict(long, 8, planner.Layout(1, 2, 1, 0, 1, cp=cp, sp=True), profile) for cp in (1, 2))
+    assert two.breakdown["activations"] < 0.6 * one.breakdown["activations"]  # the sequence halves per rank
+    assert two.breakdown["cp_comm"] > 0 and one.breakdown["cp_comm"] == 0
+    tp_only, with_sp = (planner.predict(long, 8, planner.Layout(1, 4, 1, 0, 1, sp=sp), profile) for sp in (False, True))
+    assert with_sp.memory < tp_only.memory and with_sp.step_time == pytest.approx(tp_only.step_time)
+    ulysses = planner.predict(long, 8, planner.Layout(1, 1, 1, 0, 1, cp=4, cp_kind="ulysses"), profile)
+    ring = planner.predict(long, 8, planner.Layout(1, 1, 1, 0, 1, cp=4), profile)
+    assert ulysses.breakdown["activations"] > ring.breakdown["activations"]  # Ulysses scores all T keys
 
 
 def test_cost_model_behaves():
@@ -43,7 +61,8 @@ def test_cost_model_behaves():
 def test_gpt3_175b_on_1024_a100s_chooses_megatrons_layout():
     L, H, C, T, V = planner.PRESETS["gpt3-175b"]
     cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C)
-    ranked = planner.plan(cfg, 1024, 1536, planner.BUILTIN_PROFILES["a100-80gb"], itemsize=2, recompute=True)
+    ranked = planner.plan(cfg, 1024, 1536, planner.BUILTIN_PROFILES["a100-80gb"], itemsize=2, recompute=True,
+                          context=False)  # the 2021 runs had neither context nor sequence parallelism
     best = ranked[0]
     assert best.feasible and (best.layout.dp, best.layout.tp, best.layout.pp) == (8, 8, 16)
     assert best.layout.microbatches == 192  # microbatch size 1, as in Narayanan et al. 2021
@@ -75,7 +94,7 @@ def test_plan_command_prints_a_ranking():
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 5 and "dp" in rows[0]
-    times = [float(r[40:50]) for r in rows]  # the step-ms column
+    times = [float(r[50:60]) for r in rows]  # the step-ms column
     assert times == sorted(times)
 
 

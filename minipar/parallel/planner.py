@@ -13,14 +13,22 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
     data      ring all-reduce of the rank's Ψ_l = Ψ_stage/tp parameters, 2(dp−1)/dp·Ψ_l·itemsize·β, of
               which ``overlap`` hides behind backward; ZeRO-3 adds the forward all-gathers, exposed
               (minipar gathers a block when it is needed, without prefetching); + the AdamW pass
+    context   cp ranks split each sequence: per rank t/cp tokens and 1/cp of the attention FLOPs (zigzag
+              balances the causal work). Ring: per layer and microbatch cp−1 exchanges of K|V
+              (2·t·C/(cp·tp) values) forward, each hidden behind the attention of the block in hand
+              (exposed: max(0, exchange − block attention)), and cp exchanges of K|V|dK|dV backward,
+              not hidden. Ulysses: per layer two all-to-alls each way of (3 + 1)·t·C/(cp·tp) values,
+              (cp−1)α + (cp−1)/cp·nβ each.
+    sequence  Megatron-SP turns each tp all-reduce into an all-gather + reduce-scatter: the same time
     links     a group inside one node (``devices_per_node``) uses ``intra``, else ``inter`` (α, β)
 
 Memory per device: model states 16Ψ_l (DP), 8Ψ_l + 12Ψ_l/dp (ZeRO-1), 4Ψ_l + 12Ψ_l/dp (ZeRO-2),
 16Ψ_l/dp (ZeRO-3) — bytes of float32 params, grads, m, v, or of bf16 params/grads + fp32 master
 and moments, both 16 per parameter; activations per layer and microbatch
-s·b·h·(10 + 24/tp + 5·a·s/(h·tp)) at 2 bytes (Korthikanti et al. 2022; ×itemsize/2), for the
-microbatches a stage holds at once (1F1B: pp, GPipe: m), or just the layer inputs with
-recomputation, plus the logits of the last stage.
+s·b·h·(10 + 24/tp + 5·a·s/(h·tp)) at 2 bytes (Korthikanti et al. 2022; ×itemsize/2), with sequence
+parallelism s·b·h·(34/tp + 5·a·s/(h·tp)), with context parallelism s = T/cp per rank (Ulysses keeps the
+score term of the full T for a/cp heads: 5·a·T²/(cp·h·tp)), for the microbatches a stage holds at once
+(1F1B: pp, GPipe: m), or just the layer inputs with recomputation, plus the logits of the last stage.
 """
 from __future__ import annotations
 
@@ -108,13 +116,18 @@ class Layout:
     microbatches: int = 1
     schedule: str = "1f1b"
     recompute: bool = False  # modelled for what-if questions; minipar's engine does not recompute
+    cp: int = 1
+    cp_kind: str = "ring"
+    sp: bool = False
 
     def flags(self) -> list[str]:
         return ["--dp", str(self.dp), "--tp", str(self.tp), "--pp", str(self.pp), "--zero", str(self.zero),
-                "--microbatches", str(self.microbatches), "--schedule", self.schedule]
+                "--microbatches", str(self.microbatches), "--schedule", self.schedule, "--cp", str(self.cp),
+                "--cp-kind", self.cp_kind, *(["--sp"] if self.sp else [])]
 
     def __str__(self) -> str:
-        return (f"dp{self.dp}·tp{self.tp}·pp{self.pp} zero{self.zero} m{self.microbatches}"
+        cp = f"·cp{self.cp} {self.cp_kind}" if self.cp > 1 else ""
+        return (f"dp{self.dp}·tp{self.tp}{' sp' if self.sp else ''}·pp{self.pp}{cp} zero{self.zero} m{self.microbatches}"
                 + (f" {self.schedule}" if self.pp > 1 else "") + (" recompute" if self.recompute else ""))
 
 
@@ -138,56 +151,76 @@ def stage_parameters(cfg: Any, pp: int) -> float:
 
 def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsize: int = 4) -> Prediction:
     """Predicted step time (s) and memory (bytes) of ``layout`` for a GPT ``cfg`` and global ``batch_size``."""
-    dp, tp, pp, m = layout.dp, layout.tp, layout.pp, layout.microbatches
-    world = dp * tp * pp
+    dp, tp, pp, m, cp = layout.dp, layout.tp, layout.pp, layout.microbatches, layout.cp
+    world = dp * tp * pp * cp
     C, H, T, L = cfg.n_embd, cfg.n_head, cfg.block_size, cfg.n_layer
     V = math.ceil(cfg.vocab_size / tp) * tp
     b = batch_size / (dp * m)
-    t = b * T
+    t = b * T / cp  # tokens per rank and microbatch
     share = profile.contention if profile.cores else 1.0  # CPU: the ranks time-share the cores
     passes = 4.0 if layout.recompute else 3.0  # forward + backward (+ the forward again)
 
-    layer_flops = (2 * t * 12 * C * C + 4 * b * T * T * C) / tp * passes
-    layer_bytes = (profile.passes_act * t * C + profile.passes_att * b * H * T * T) / tp * itemsize * passes / 3
+    attention_flops = 4 * b * T * T * C / (tp * cp)
+    layer_flops = (2 * t * 12 * C * C / tp + attention_flops) * passes
+    layer_bytes = (profile.passes_act * t * C + profile.passes_att * b * H * T * T / cp) / tp * itemsize * passes / 3
     flops = profile.gemm_flops(t)
     layer_time = (layer_flops / flops + layer_bytes / profile.bandwidth + profile.ops_per_layer * profile.op_overhead)
     head_time = 6 * t * C * V / tp / flops + 4 * t * V / tp * itemsize / profile.bandwidth
     tp_link = profile.link(tp, tp)
     tp_time = (4 * L / pp + 2) * _ring_all_reduce(t * C * itemsize, tp, tp_link) if tp > 1 else 0.0
+    cp_time = math.ceil(L / pp) * context_time(layout, t * C / tp * itemsize, attention_flops / flops / cp,
+                                               profile.link(cp, cp * tp)) if cp > 1 else 0.0
     pp_link = profile.link(world, world)
     pp_time = 2 * (pp_link.alpha + t * C * itemsize * pp_link.beta) if pp > 1 else 0.0
     stage_compute = (math.ceil(L / pp) * layer_time + head_time) * share
-    microbatch = stage_compute + tp_time + pp_time
+    microbatch = stage_compute + tp_time + cp_time + pp_time
     pipeline_time = (m + pp - 1) * microbatch
 
     psi_local = stage_parameters(cfg, pp) / tp
-    dp_link = profile.link(dp, dp * tp)
-    dp_comm = _ring_all_reduce(psi_local * itemsize, dp, dp_link)
+    replicas = dp * cp  # gradients reduce, and ZeRO shards, over dp×cp
+    dp_link = profile.link(replicas, replicas * tp)
+    dp_comm = _ring_all_reduce(psi_local * itemsize, replicas, dp_link)
     exposed_dp = dp_comm * (1 - profile.overlap) + (dp_comm / 2 * m if layout.zero == 3 else 0.0)
-    optimizer = 7 * 4 * psi_local / (dp if layout.zero else 1) / profile.bandwidth * share
+    optimizer = 7 * 4 * psi_local / (replicas if layout.zero else 1) / profile.bandwidth * share
     step = pipeline_time + exposed_dp + optimizer
 
     states, activations = memory_per_rank(cfg, batch_size, layout, itemsize)
     memory = states + activations
     breakdown = {"compute": m * stage_compute, "bubble": (pp - 1) * microbatch, "tp_comm": m * tp_time,
-                 "pp_comm": m * pp_time, "dp_comm_exposed": exposed_dp, "optimizer": optimizer,
-                 "model_states": states, "activations": activations}
+                 "cp_comm": m * cp_time, "pp_comm": m * pp_time, "dp_comm_exposed": exposed_dp,
+                 "optimizer": optimizer, "model_states": states, "activations": activations}
     return Prediction(layout, step, memory, memory <= profile.memory, breakdown)
+
+
+def context_time(layout: Layout, shard_bytes: float, block_attention: float, link: Link) -> float:
+    """Exposed seconds of context parallelism per layer and microbatch; ``shard_bytes`` is one of q, k, v on a rank
+    (t·C/tp values), ``block_attention`` the forward attention of one query block against one key block."""
+    cp = layout.cp
+    if layout.cp_kind == "ulysses":  # 2 all-to-alls forward (q|k|v, output), 2 backward, pairwise
+        all_to_all = lambda n: (cp - 1) * link.alpha + (cp - 1) / cp * n * link.beta  # noqa: E731
+        return 2 * (all_to_all(3 * shard_bytes) + all_to_all(shard_bytes))
+    exchange = lambda n: link.alpha + n * link.beta  # noqa: E731
+    forward = (cp - 1) * max(0.0, exchange(2 * shard_bytes) - block_attention)  # hidden behind the block in hand
+    return forward + cp * exchange(4 * shard_bytes)  # K|V|dK|dV around the ring, after each block's backward
 
 
 def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4) -> tuple[float, float]:
     """(model-state bytes, activation bytes incl. logits) of the most loaded rank: parameters, gradients and
     Adam's two moments (16Ψ in fp32, sharded by ZeRO stage) and Korthikanti et al.'s per-layer activations
     sbh(34 + 5as/h), scaled to this dtype, for every microbatch a stage holds at once."""
-    dp, tp, pp, m = layout.dp, layout.tp, layout.pp, layout.microbatches
+    dp, tp, pp, m, cp = layout.dp, layout.tp, layout.pp, layout.microbatches, layout.cp
     C, H, T, L = cfg.n_embd, cfg.n_head, cfg.block_size, cfg.n_layer
     V = math.ceil(cfg.vocab_size / tp) * tp
     b = batch_size / (dp * m)
-    t = b * T
+    s = T / cp  # positions per rank
+    t = b * s
     psi_local = stage_parameters(cfg, pp) / tp
-    states = {0: 16 * psi_local, 1: 8 * psi_local + 12 * psi_local / dp,
-              2: 4 * psi_local + 12 * psi_local / dp, 3: 16 * psi_local / dp}[layout.zero]
-    per_layer_act = T * b * C * (10 + 24 / tp + 5 * H * T / (C * tp)) * itemsize / 2
+    n = dp * cp  # ZeRO shards over dp×cp
+    states = {0: 16 * psi_local, 1: 8 * psi_local + 12 * psi_local / n,
+              2: 4 * psi_local + 12 * psi_local / n, 3: 16 * psi_local / n}[layout.zero]
+    linear = 34 / tp if layout.sp else 10 + 24 / tp
+    scores = 5 * H * T * T / (cp * s * C * tp) if layout.cp_kind == "ulysses" else 5 * H * s / (C * tp)
+    per_layer_act = s * b * C * (linear + scores) * itemsize / 2
     in_flight = 1 if pp == 1 else (pp if layout.schedule == "1f1b" else m)
     layers = math.ceil(L / pp)
     if layout.recompute:
@@ -198,35 +231,52 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
     return states, activations + logits
 
 
-def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool = False) -> list[Layout]:
-    """Every layout the engine accepts: dp·tp·pp = world, tp | n_head and 4C, pp ≤ n_layer,
-    dp·m | batch, ZeRO needs dp ≥ 2 and is 0/1 with pp > 1; microbatches 1, 2, 4, … and B/dp (b = 1)."""
+def context_options(cfg: Any, cp: int, tp: int) -> list[tuple[str, bool]]:
+    """The (cp kind, sequence parallelism) pairs the engine accepts for cp and tp ranks."""
+    kinds = [] if cp > 1 and cfg.block_size % (2 * cp) else ["ring"]  # zigzag: 2·cp chunks
+    if cp > 1 and cfg.block_size % cp == 0 and (cfg.n_head // tp) % cp == 0:
+        kinds.append("ulysses")
+    if cp == 1:
+        kinds = ["ring"]  # no context parallelism: the kind is moot
+    sp = [False] + ([True] if tp > 1 and (cfg.block_size // cp) % tp == 0 else [])
+    return [(kind, s) for kind in kinds for s in sp]
+
+
+def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool = False,
+                      context: bool = True) -> list[Layout]:
+    """Every layout the engine accepts: dp·tp·pp·cp = world, tp | n_head and 4C, pp ≤ n_layer, cp splits T
+    (and the heads, for Ulysses), sp with tp ≥ 2, dp·m | batch, ZeRO needs dp·cp ≥ 2 and is 0/1 with pp > 1;
+    microbatches 1, 2, 4, … and B/dp (b = 1). ``context=False`` leaves out context and sequence parallelism."""
     layouts = []
     for tp in range(1, world + 1):
         if world % tp or cfg.n_head % tp or (4 * cfg.n_embd) % tp:
             continue
-        for pp in range(1, world // tp + 1):
-            if (world // tp) % pp or pp > cfg.n_layer:
+        for cp in range(1, world // tp + 1 if context else 2):
+            if (world // tp) % cp:
                 continue
-            dp = world // (tp * pp)
-            if batch_size % dp:
-                continue
-            counts = sorted({2**k for k in range(20) if 2**k <= batch_size // dp} | {batch_size // dp})
-            counts = [m for m in counts if (batch_size // dp) % m == 0 and (pp > 1 or m == 1)]  # no pipeline: m = 1
-            for zero in range(4):
-                if (zero and dp == 1) or (zero >= 2 and pp > 1):
+            for pp in range(1, world // (tp * cp) + 1):
+                if (world // (tp * cp)) % pp or pp > cfg.n_layer:
                     continue
-                for m in counts:
-                    for r in ((False, True) if recompute else (False,)):
-                        layouts.append(Layout(dp, tp, pp, zero, m, "1f1b", r))
+                dp = world // (tp * cp * pp)
+                if batch_size % dp:
+                    continue
+                counts = sorted({2**k for k in range(20) if 2**k <= batch_size // dp} | {batch_size // dp})
+                counts = [m for m in counts if (batch_size // dp) % m == 0 and (pp > 1 or m == 1)]  # no pipeline: m = 1
+                for kind, sp in context_options(cfg, cp, tp) if context else [("ring", False)]:
+                    for zero in range(4):
+                        if (zero and dp * cp == 1) or (zero >= 2 and pp > 1):
+                            continue
+                        for m in counts:
+                            for r in ((False, True) if recompute else (False,)):
+                                layouts.append(Layout(dp, tp, pp, zero, m, "1f1b", r, cp, kind, sp))
     return layouts
 
 
 def plan(cfg: Any, world: int, batch_size: int, profile: Profile, itemsize: int = 4,
-         recompute: bool = False) -> list[Prediction]:
+         recompute: bool = False, context: bool = True) -> list[Prediction]:
     """All layouts, feasible ones first, each group by predicted step time."""
     predictions = [predict(cfg, batch_size, lay, profile, itemsize)
-                   for lay in enumerate_layouts(cfg, world, batch_size, recompute)]
+                   for lay in enumerate_layouts(cfg, world, batch_size, recompute, context)]
     if not predictions:
         raise ValueError(f"no layout of {world} ranks fits this model and batch (check n_head, n_layer, batch size)")
     return sorted(predictions, key=lambda p: (not p.feasible, p.step_time))
@@ -358,15 +408,17 @@ ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 def format_plan(predictions: list[Prediction], top: int, model_flops: Any = None) -> str:
     """A table of the best ``top`` predictions, and TFLOP/s per device when ``model_flops(layout)``
     (FLOPs per step) is given."""
-    head = f"{'rank':>4}  {'layout':<34}{'step ms':>10}{'memory GB':>11}  {'compute':>8}{'bubble':>8}{'tp':>8}{'pp':>8}{'dp':>8}"
+    head = (f"{'rank':>4}  {'layout':<44}{'step ms':>10}{'memory GB':>11}  {'compute':>8}{'bubble':>8}{'tp':>8}{'cp':>8}"
+            f"{'pp':>8}{'dp':>8}")
     lines = [head + ("  TFLOP/s/dev" if model_flops else "")]
     for i, pr in enumerate(predictions[:top], start=1):
         b = pr.breakdown
-        row = (f"{i:>4}  {str(pr.layout):<34}{pr.step_time * 1e3:>10.1f}{pr.memory / 1e9:>11.2f}"
+        row = (f"{i:>4}  {str(pr.layout):<44}{pr.step_time * 1e3:>10.1f}{pr.memory / 1e9:>11.2f}"
                + ("  " if pr.feasible else "* ")
-               + "".join(f"{b[k] * 1e3:>8.1f}" for k in ("compute", "bubble", "tp_comm", "pp_comm", "dp_comm_exposed")))
+               + "".join(f"{b[k] * 1e3:>8.1f}" for k in ("compute", "bubble", "tp_comm", "cp_comm", "pp_comm",
+                                                           "dp_comm_exposed")))
         if model_flops:
-            world = pr.layout.dp * pr.layout.tp * pr.layout.pp
+            world = pr.layout.dp * pr.layout.tp * pr.layout.pp * pr.layout.cp
             row += f"  {model_flops(pr.layout) / pr.step_time / world / 1e12:>10.1f}"
         lines.append(row)
     lines.append("(times in ms; * = does not fit in device memory)")
