@@ -2,8 +2,9 @@
 
     python benchmarks/planner_validation.py [--worlds 4 8]     # calibrates each world size first
 
-Every dp·tp·pp·zero layout the engine accepts (microbatches: 2·pp with a pipeline) is trained for
-a few steps through the CLI; the median step time is compared with planner.predict.
+Every dp·tp·pp·zero layout the engine accepts (microbatches: 2·pp with a pipeline; context and sequence
+parallelism not yet validated here) is trained for a few steps through the CLI; the median step time is
+compared with planner.predict.
 """
 import argparse
 import json
@@ -36,7 +37,7 @@ def main() -> None:
             subprocess.run([mpiexec(), "-n", str(world), sys.executable, "-m", "minipar", "plan", "--calibrate"],
                            check=True, capture_output=True, env={**os.environ, **RANK_ENV})
         profile = planner.load_profile(args.profile, world)
-        layouts = [lay for lay in planner.enumerate_layouts(cfg, world, batch)
+        layouts = [lay for lay in planner.enumerate_layouts(cfg, world, batch, context=False)
                    if lay.microbatches == (2 * lay.pp if lay.pp > 1 else 1)]
         for lay in layouts:
             predicted = planner.predict(cfg, batch, lay, profile).step_time * 1e3
