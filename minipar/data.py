@@ -66,11 +66,19 @@ class BPETokenizer:
 
     @classmethod
     def from_dir(cls, directory: str) -> BPETokenizer:
-        with open(os.path.join(directory, "vocab.json"), encoding="utf-8") as f:
-            vocab = json.load(f)
-        with open(os.path.join(directory, "merges.txt"), encoding="utf-8") as f:
+        vocab_path, merges_path = os.path.join(directory, "vocab.json"), os.path.join(directory, "merges.txt")
+        try:
+            with open(vocab_path, encoding="utf-8") as f:
+                vocab = json.load(f)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{vocab_path}: not a GPT-2 vocabulary ({e})") from None
+        with open(merges_path, encoding="utf-8") as f:
             lines = [ln for ln in f.read().split("\n") if ln and not ln.startswith("#version")]
-        return cls(vocab, [tuple(ln.split(" ")) for ln in lines])
+        merges = [tuple(ln.split(" ")) for ln in lines]
+        bad = next((n for n, pair in enumerate(merges, 1) if len(pair) != 2), None)
+        if bad is not None:
+            raise ValueError(f"{merges_path}: merge {bad} is not two symbols separated by a space")
+        return cls(vocab, merges)
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 (one tokenizer per process)
     def _bpe(self, word: str) -> tuple[str, ...]:

@@ -193,3 +193,19 @@ def test_generate_keeps_a_float64_checkpoint_float64(tmp_path, capsys):
     assert hf_config(str(tmp_path)).dtype == "float64"
     assert main(["generate", "--ckpt", str(tmp_path), "--prompt", "ab", "--max-new-tokens", "3"]) == 0
     assert capsys.readouterr().out.startswith("ab")
+
+
+def test_tokenizer_and_profile_parse_errors_name_the_file(tmp_path):
+    from minipar.parallel.planner import Profile
+
+    (tmp_path / "vocab.json").write_text("{not json")
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\n")
+    with pytest.raises(ValueError, match="vocab.json: not a GPT-2 vocabulary"):
+        BPETokenizer.from_dir(str(tmp_path))
+    (tmp_path / "vocab.json").write_text('{"a": 0, "b": 1, "ab": 2}')
+    (tmp_path / "merges.txt").write_text("#version: 0.2\na b\nabc\n")
+    with pytest.raises(ValueError, match="merges.txt: merge 2 is not two symbols"):
+        BPETokenizer.from_dir(str(tmp_path))
+    (tmp_path / "profile.json").write_text('{"name": "x"}')
+    with pytest.raises(ValueError, match="profile.json: not a minipar hardware profile"):
+        Profile.load(str(tmp_path / "profile.json"))

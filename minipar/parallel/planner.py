@@ -89,9 +89,13 @@ class Profile:
 
     @classmethod
     def load(cls, path: str) -> Profile:
-        with open(path) as f:
-            data = json.load(f)
-        return cls(**{**data, "intra": Link(**data["intra"]), "inter": Link(**data["inter"])})
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            return cls(**{**data, "intra": Link(**data["intra"]), "inter": Link(**data["inter"])})
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a minipar hardware profile ({type(e).__name__}: {e}); "
+                             "recalibrate with plan --calibrate") from None
 
 
 # Datasheet numbers × typical achieved fractions (cuBLAS ≈ 80% of dense bf16 peak at large sizes, ~80% of
