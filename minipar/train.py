@@ -31,6 +31,8 @@ from minipar.data import Batches, load_tokens, shard_rows, split_tokens
 from minipar.models.gpt import GPT, GPTConfig, hf_config
 from minipar.optim import AdamW, cosine_lr
 from minipar.parallel.compression import COMPRESSIONS, make_compressor
+from minipar.parallel.context_parallel import KINDS as CP_KINDS
+from minipar.parallel.context_parallel import SPLITS as CP_SPLITS
 from minipar.parallel.context_parallel import check_context_parallel, context_parallel, context_slice
 from minipar.parallel.data_parallel import DataParallel
 from minipar.parallel.local_sgd import LocalSGD
@@ -96,9 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     par.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
     par.add_argument("--cp", type=int, default=1, help="context-parallel degree: each sequence split over this many ranks")
-    par.add_argument("--cp-kind", choices=["ring", "ulysses"], default="ring",
+    par.add_argument("--cp-kind", choices=list(CP_KINDS), default="ring",
                      help="context parallelism: ring attention (K/V blocks around the ring) or DeepSpeed-Ulysses")
-    par.add_argument("--cp-split", choices=["zigzag", "contiguous"],
+    par.add_argument("--cp-split", choices=list(CP_SPLITS),
                      help="how a sequence is cut over the cp ranks (default: zigzag for ring, contiguous for ulysses)")
     par.add_argument("--sp", action="store_true",
                      help="sequence parallelism (Megatron-SP): layer norms and residuals on T/tp shards (with --tp)")

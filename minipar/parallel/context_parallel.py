@@ -46,8 +46,8 @@ from minipar.backend import to_device, xp
 from minipar.comm import Communicator
 from minipar.models.gpt import GPT
 
-KINDS = ("ring", "ulysses")
-SPLITS = ("zigzag", "contiguous")
+KINDS = ("ring", "ulysses")          # the --cp-kind choices
+SPLITS = ("zigzag", "contiguous")    # the --cp-split choices
 
 
 def scatter_heads(comm: Communicator, x: Any, label: str) -> Any:
