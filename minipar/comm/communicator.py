@@ -186,19 +186,25 @@ class Communicator:
             return sum(s.bytes for k, s in self.stats.items() if op is None or k == op)
 
     # ------------------------------------------------------------------- point-to-point (host)
-    def _op(self) -> str:
-        return getattr(self._local, "op", None) or "p2p"
+    def _sent(self, nbytes: int, label: str | None = None) -> None:
+        """Count ``nbytes`` sent: inside a collective (and without a label of its own) into the collective's
+        running total, recorded once when it ends; otherwise at once, under ``label`` or "p2p"."""
+        local = self._local
+        if label is None and getattr(local, "op", None) is not None:
+            local.sent += nbytes
+        else:
+            self._record(label or "p2p", nbytes)
 
     def sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int, tag: int) -> None:
         """Send ``send`` to ``dest`` while receiving ``recv`` from ``source`` (contiguous host arrays)."""
         self.mpi.Sendrecv([send, MPI.BYTE], dest, tag, [recv, MPI.BYTE], source, tag)
-        self._record(getattr(self._local, "op", None) or "p2p", send.nbytes)
+        self._sent(send.nbytes)
 
     def send(self, x: Any, dest: int, tag: int = 0, label: str | None = None) -> None:
         """Blocking send of an xp array (cupy arrays are staged through the host); bytes filed under ``label``."""
         host = np.ascontiguousarray(to_host(x))
         self.mpi.Send([host, MPI.BYTE], dest, tag)
-        self._record(label or self._op(), host.nbytes)
+        self._sent(host.nbytes, label)
 
     def recv(self, x: Any, source: int, tag: int = 0) -> Any:
         """Blocking receive into the preallocated xp array ``x``; returns ``x``."""
@@ -214,7 +220,7 @@ class Communicator:
         """Non-blocking send; the handle's ``wait()`` returns when the buffer may be reused."""
         host = np.ascontiguousarray(to_host(x))
         request = self.mpi.Isend([host, MPI.BYTE], dest, tag)
-        self._record(label or self._op(), host.nbytes)
+        self._sent(host.nbytes, label)
         return _RequestHandle(request, keep_alive=host)
 
     def irecv(self, x: Any, source: int, tag: int = 0) -> Handle:
@@ -496,7 +502,7 @@ class Communicator:
             sequence = self._sequence
             self._sequence += 1
             tag = COLLECTIVE_TAG_BASE + sequence % (1 << 14)
-            self._local.op, self._local.algorithm = key, None
+            self._local.op, self._local.algorithm, self._local.sent = key, None, 0
             start = time.perf_counter()
             try:
                 if self.debug:
@@ -512,7 +518,7 @@ class Communicator:
                     x[...] = _like(x, buf.reshape(x.shape))
                 return x
             finally:
-                self._record(key, seconds=time.perf_counter() - start, call=True, algorithm=self._local.algorithm)
+                self._record(key, self._local.sent, time.perf_counter() - start, True, self._local.algorithm)
                 self._local.op = None
 
         if async_op:
