@@ -28,6 +28,7 @@ from minipar import ops
 from minipar.autograd import Tensor, no_grad
 from minipar.backend import resolve_dtype, to_device, to_host, xp
 from minipar.safetensors_io import DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, write_hf_weights
+from minipar.models.moe import MoEMLP
 from minipar.nn import Embedding, LayerNorm, Linear, Module, ModuleList
 
 
@@ -42,6 +43,10 @@ class GPTConfig:
     dtype: str = "float32"
     scale_attn_weights: bool = True  # attention scores q·kᵀ / √head_dim (False: unscaled)
     scale_attn_by_inverse_layer_idx: bool = False  # and / (layer index + 1)
+    n_expert: int = 0  # > 0: every MLP is a mixture of this many experts (models/moe.py); 0: GPT-2's dense MLP
+    expert_top_k: int = 2
+    capacity_factor: float = 1.25
+    aux_loss_coef: float = 0.01
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -49,6 +54,10 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.n_expert < 0 or (self.n_expert and not 1 <= self.expert_top_k <= self.n_expert):
+            raise ValueError(f"expert_top_k ({self.expert_top_k}) must be between 1 and n_expert ({self.n_expert})")
+        if self.n_expert and (self.capacity_factor <= 0 or self.aux_loss_coef < 0):
+            raise ValueError("capacity_factor must be > 0 and aux_loss_coef >= 0")
         resolve_dtype(self.dtype)
 
     @property
@@ -61,9 +70,11 @@ class GPTConfig:
         return scale / (layer + 1) if self.scale_attn_by_inverse_layer_idx else scale
 
     def num_parameters(self, layers: int | None = None, embeddings: bool = True, final_norm: bool = True) -> int:
-        """Parameter count: 12C² + 13C per block, V·C + T·C for the embeddings (the head is tied), 2C for ln_f."""
-        C = self.n_embd
-        blocks = (self.n_layer if layers is None else layers) * (12 * C * C + 13 * C)
+        """Parameter count: 12C² + 13C per block (with E experts: 4C² + 8C + E·(8C² + 6C)), V·C + T·C for the
+        embeddings (the head is tied), 2C for ln_f."""
+        C, E = self.n_embd, self.n_expert
+        per_block = 12 * C * C + 13 * C if not E else 4 * C * C + 8 * C + E * (8 * C * C + 6 * C)
+        blocks = (self.n_layer if layers is None else layers) * per_block
         return blocks + (self.vocab_size * C + self.block_size * C if embeddings else 0) + (2 * C if final_norm else 0)
 
 
@@ -93,7 +104,8 @@ class Block(Module):
         self.ln_1 = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
         self.attn = CausalSelfAttention(cfg, layer)
         self.ln_2 = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
-        self.mlp = MLP(cfg)
+        self.mlp = MoEMLP(cfg.n_embd, cfg.n_expert, cfg.expert_top_k, cfg.capacity_factor, cfg.dtype) \
+            if cfg.n_expert else MLP(cfg)
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -122,7 +134,7 @@ class GPT(Module):
         rng = np.random.default_rng(seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, p in self.named_parameters():
-            if p.ndim == 2:  # Linear and Embedding weights; biases (0) and layer norms (1, 0) keep their defaults
+            if p.ndim >= 2:  # Linear, Embedding, router and expert weights; biases (0), layer norms (1, 0) as they are
                 std = residual_std if name.endswith("c_proj.weight") else 0.02
                 p.data = to_device(rng.normal(0.0, std, size=p.shape), dtype=p.dtype)
 
@@ -143,7 +155,13 @@ class GPT(Module):
     def head(self, x: Tensor, targets: Any = None) -> tuple[Tensor, Tensor | None]:
         wte = self.transformer.wte
         logits = wte.attend(self.transformer.ln_f(x))
-        return logits, (wte.cross_entropy(logits, targets) if targets is not None else None)
+        if targets is None:
+            return logits, None
+        loss = wte.cross_entropy(logits, targets)
+        if self.config.n_expert:  # the load-balancing losses of this forward's MoE layers
+            aux = [block.mlp.aux_loss for block in self.transformer.h if block.mlp.aux_loss is not None]
+            loss = loss + ops.sum(ops.concat([a.reshape(1) for a in aux])) * self.config.aux_loss_coef
+        return logits, loss
 
     def forward(self, idx: Any, targets: Any = None) -> tuple[Tensor, Tensor | None]:
         """``idx`` (B, T) int -> (logits (B, T, vocab), mean cross-entropy loss or None)."""
@@ -200,8 +218,10 @@ class GPT(Module):
 
         ``state`` (default: this model's ``state_dict()``) lets a sharded run save the parameters it gathered.
         """
-        os.makedirs(directory, exist_ok=True)
         cfg = self.config
+        if cfg.n_expert:
+            raise ValueError("a mixture-of-experts GPT has no Hugging Face GPT-2 layout: save it with --save instead")
+        os.makedirs(directory, exist_ok=True)
         hf = {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,

@@ -1,0 +1,107 @@
+"""Mixture of experts: the MLP of a GPT block as E expert MLPs and a router (Shazeer et al. 2017, Switch, Mixtral).
+
+    router   p = softmax(x W_r)  over the E experts, per token (W_r: C × E, no bias)
+    choose   the k experts of largest p (ties: the lower index)
+    gates    k = 1: g = p_e (Switch: the router probability itself, so the router learns);
+             k > 1: g_j = p_{e_j} / Σ_{j'} p_{e_j'} (Mixtral: renormalized over the k chosen)
+    capacity every expert takes at most ⌈c·k·N/E⌉ of the N·k assignments of a batch of N tokens;
+             priority: all first choices before any second choice, and within one choice rank the
+             earlier token first (GShard). An assignment past capacity is dropped: that expert adds
+             nothing for that token (the residual connection carries it on).
+    experts  y_e = gelu(X_e W1_e + b1_e) W2_e + b2_e, all experts at once as batched matmuls on an
+             (E, capacity, C) buffer gathered from the tokens (empty slots read a zero row)
+    combine  out_n = Σ_j g_{n,j} · y_{e_{n,j}}[slot of n]
+    balance  aux = E · Σ_i f_i · P_i (Switch): f_i the share of the N·k assignments routed to expert i
+             (before dropping; no gradient), P_i the mean router probability of expert i
+
+The GPT adds ``aux_loss_coef`` × the sum of its layers' aux to the language-model loss. Routing
+decisions (which expert, which slot) are index computations without gradient; everything they
+select — gates, expert inputs, expert outputs — is differentiable through gather/scatter ops.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from minipar import ops
+from minipar.autograd import Tensor
+from minipar.backend import resolve_dtype, to_device, to_host, xp
+from minipar.nn import Linear, Module, Parameter
+
+
+def route(probs: np.ndarray, k: int, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(chosen (N, k) experts, slot (N, k) in the flattened (E·capacity) buffer or −1 if dropped, counts (E,) of
+    assignments each expert received before dropping) for router probabilities ``probs`` (N, E)."""
+    N, E = probs.shape
+    chosen = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+    slot = np.full((N, k), -1, np.int64)
+    filled = np.zeros(E, np.int64)
+    for j in range(k):  # first choices first; within a choice rank, token order
+        experts = chosen[:, j]
+        order = np.argsort(experts, kind="stable")
+        starts = np.searchsorted(experts[order], np.arange(E))
+        rank = np.empty(N, np.int64)
+        rank[order] = np.arange(N) - starts[experts[order]]
+        position = filled[experts] + rank
+        kept = position < capacity
+        slot[kept, j] = experts[kept] * capacity + position[kept]
+        filled += np.bincount(experts, minlength=E)
+    return chosen, slot, np.bincount(chosen.ravel(), minlength=E)
+
+
+class MoEMLP(Module):
+    """E expert MLPs (C → 4C → C, tanh-GELU) behind a top-k router; ``aux_loss`` and ``stats`` after each forward."""
+
+    def __init__(self, n_embd: int, n_expert: int, top_k: int, capacity_factor: float, dtype: str = "float32"):
+        dt, C, E = resolve_dtype(dtype), n_embd, n_expert
+        self.router = Linear(C, E, bias=False, dtype=dtype)
+        self.c_fc = ExpertLinear(E, C, 4 * C, dt)
+        self.c_proj = ExpertLinear(E, 4 * C, C, dt)
+        self.n_expert, self.top_k, self.capacity_factor = E, top_k, capacity_factor
+        self.aux_loss: Tensor | None = None
+        self.stats: dict[str, float] = {}
+
+    def capacity(self, n_tokens: int) -> int:
+        return max(1, math.ceil(self.capacity_factor * self.top_k * n_tokens / self.n_expert))
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        E, k, N = self.n_expert, self.top_k, B * T
+        flat = x.reshape(N, C)
+        probs = ops.softmax(self.router(flat), axis=-1)
+        cap = self.capacity(N)
+        chosen, slot, assigned = route(to_host(probs.data), k, cap)
+        rows = np.repeat(np.arange(N)[:, None], k, axis=1)
+        gates = probs[to_device(rows), to_device(chosen)]  # (N, k)
+        if k > 1:
+            gates = gates / gates.sum(axis=-1, keepdims=True)
+        # dispatch: slot s of expert e reads token tokens[e, s] (N: a zero row for an empty slot)
+        tokens = np.full(E * cap, N, np.int64)
+        kept = slot >= 0
+        tokens[slot[kept]] = rows[kept]
+        padded = ops.concat([flat, Tensor(xp.zeros((1, C), dtype=flat.dtype))], axis=0)
+        expert_in = padded[to_device(tokens.reshape(E, cap))]  # (E, cap, C)
+        expert_out = self.c_proj(ops.gelu(self.c_fc(expert_in)))  # (E, cap, C)
+        # combine: token n's j-th choice reads its slot (E·cap: a zero row for a dropped assignment)
+        outputs = ops.concat([expert_out.reshape(E * cap, C), Tensor(xp.zeros((1, C), dtype=flat.dtype))], axis=0)
+        picked = outputs[to_device(np.where(kept, slot, E * cap))]  # (N, k, C)
+        y = (picked * gates.reshape(N, k, 1)).sum(axis=1)
+        share = to_device(assigned / (k * N), dtype=probs.dtype)
+        self.aux_loss = (probs.mean(axis=0) * Tensor(share)).sum() * float(E)
+        load = np.bincount(slot[kept] // cap, minlength=E)
+        self.stats = {"dropped_fraction": 1.0 - kept.sum() / (N * k), "expert_load_min": int(load.min()),
+                      "expert_load_max": int(load.max())}
+        return y.reshape(B, T, C)
+
+
+class ExpertLinear(Module):
+    """E independent linear maps at once: (E, n, d_in) @ W (E, d_in, d_out) + b (E, 1, d_out)."""
+
+    def __init__(self, n_expert: int, n_in: int, n_out: int, dtype: Any):
+        self.weight = Parameter(xp.zeros((n_expert, n_in, n_out), dtype=dtype))
+        self.bias = Parameter(xp.zeros((n_expert, n_out), dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.weight + self.bias.reshape(self.bias.shape[0], 1, self.bias.shape[1])
