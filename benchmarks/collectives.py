@@ -29,9 +29,8 @@ from mpi4py import MPI  # noqa: E402
 
 from minipar.comm import Communicator  # noqa: E402
 from minipar.comm.tuning import ALGORITHMS  # noqa: E402
+from busbw import BUS_FACTOR, add_arguments, label, sizes  # noqa: E402  (benchmarks/busbw.py)
 
-BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
-              "all_gather": lambda p: (p - 1) / p, "broadcast": lambda p: 1.0, "all_to_all": lambda p: (p - 1) / p}
 
 
 def cases(comm: Communicator, op: str, n: int):
@@ -64,18 +63,10 @@ def timed(comm: Communicator, fn, iters: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--min-kib", type=int, default=1)
-    ap.add_argument("--max-mib", type=int, default=64)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--ops", nargs="+", default=list(BUS_FACTOR), choices=list(BUS_FACTOR))
+    add_arguments(ap, list(BUS_FACTOR))
     args = ap.parse_args()
     comm = Communicator()
     p = comm.size
-    sizes = []
-    size = args.min_kib * 1024
-    while size <= args.max_mib * 1024 * 1024:
-        sizes.append(size)
-        size *= 4
     if comm.rank == 0:
         model = comm.cost_model()
         print(f"p = {p} on {comm._node_count()} node(s), float32, median of {args.iters}; GB/s = 1e9 bytes/s; cost "
@@ -86,7 +77,7 @@ def main() -> None:
     else:
         comm.cost_model()
     for op in args.ops:
-        for nbytes in sizes:
+        for nbytes in sizes(args):
             ours, native = cases(comm, op, nbytes // 4)
             t_alg = {alg: timed(comm, lambda: ours(alg), args.iters) for alg in ALGORITHMS[op]
                      if alg != "hierarchical" or comm._hierarchy() is not None}
@@ -94,9 +85,8 @@ def main() -> None:
             chosen = comm.stats[op].algorithm
             fastest = min(t_alg, key=t_alg.get)
             if comm.rank == 0:
-                label = f"{nbytes // 1024} KiB" if nbytes < 1 << 20 else f"{nbytes >> 20} MiB"
                 bus = BUS_FACTOR[op](p) * nbytes / 1e9
-                print(f"{op:<15}{label:>9} {chosen:<19}{t_auto * 1e3:>8.3f} {fastest:<19}{t_alg[fastest] * 1e3:>8.3f}"
+                print(f"{op:<15}{label(nbytes):>9} {chosen:<19}{t_auto * 1e3:>8.3f} {fastest:<19}{t_alg[fastest] * 1e3:>8.3f}"
                       f"{t_mpi * 1e3:>8.3f}{t_auto / t_mpi:>9.2f}{bus / t_auto:>7.2f}{bus / t_mpi:>7.2f}", flush=True)
 
 

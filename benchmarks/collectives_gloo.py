@@ -18,8 +18,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-BUS_FACTOR = {"all_reduce": lambda p: 2 * (p - 1) / p, "reduce_scatter": lambda p: (p - 1) / p,
-              "all_gather": lambda p: (p - 1) / p, "broadcast": lambda p: 1.0}
+from busbw import BUS_FACTOR, add_arguments, label, sizes  # benchmarks/busbw.py
+
+OPS = ["all_reduce", "reduce_scatter", "all_gather", "broadcast"]
 
 
 def case(op: str, n: int, p: int):
@@ -46,10 +47,7 @@ def timed(fn, iters: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--min-kib", type=int, default=1)
-    ap.add_argument("--max-mib", type=int, default=64)
-    ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--ops", nargs="+", default=list(BUS_FACTOR), choices=list(BUS_FACTOR))
+    add_arguments(ap, OPS)
     args = ap.parse_args()
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     world = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
@@ -59,23 +57,18 @@ def main() -> None:
     if rank == 0:
         print(f"p = {world}, gloo (torch {torch.__version__}), float32, median of {args.iters}; GB/s = 1e9 bytes/s")
         print(f"{'op':<15}{'size':>9}{'gloo ms':>10}{'busbw':>8}")
-    size, sizes = args.min_kib * 1024, []
-    while size <= args.max_mib << 20:
-        sizes.append(size)
-        size *= 4
     for op in args.ops:
-        for nbytes in sizes:
+        for nbytes in sizes(args):
             supported = True
             try:
                 t = timed(case(op, nbytes // 4, world), args.iters)
             except RuntimeError:  # an operation this torch's gloo lacks
                 supported = False
             if rank == 0:
-                label = f"{nbytes // 1024} KiB" if nbytes < 1 << 20 else f"{nbytes >> 20} MiB"
                 if supported:
-                    print(f"{op:<15}{label:>9}{t * 1e3:>10.3f}{BUS_FACTOR[op](world) * nbytes / t / 1e9:>8.2f}", flush=True)
+                    print(f"{op:<15}{label(nbytes):>9}{t * 1e3:>10.3f}{BUS_FACTOR[op](world) * nbytes / t / 1e9:>8.2f}", flush=True)
                 else:
-                    print(f"{op:<15}{label:>9}  not supported by gloo here", flush=True)
+                    print(f"{op:<15}{label(nbytes):>9}  not supported by gloo here", flush=True)
     dist.destroy_process_group()
 
 
