@@ -7,7 +7,6 @@ import sys
 import pytest
 
 import numpy as np
-from mpi4py import MPI
 
 from minipar.comm.collectives import all_to_all_bytes_sent
 from minipar.testing import assert_same_training, run_command, run_ranks, train_cli

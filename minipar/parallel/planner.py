@@ -237,11 +237,11 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
 
 def context_options(cfg: Any, cp: int, tp: int) -> list[tuple[str, bool]]:
     """The (cp kind, sequence parallelism) pairs the engine accepts for cp and tp ranks."""
-    kinds = [] if cp > 1 and cfg.block_size % (2 * cp) else ["ring"]  # zigzag: 2·cp chunks
-    if cp > 1 and cfg.block_size % cp == 0 and (cfg.n_head // tp) % cp == 0:
-        kinds.append("ulysses")
     if cp == 1:
         kinds = ["ring"]  # no context parallelism: the kind is moot
+    else:
+        kinds = (["ring"] if cfg.block_size % (2 * cp) == 0 else []) + (  # zigzag: 2·cp chunks
+            ["ulysses"] if cfg.block_size % cp == 0 and (cfg.n_head // tp) % cp == 0 else [])
     sp = [False] + ([True] if tp > 1 and (cfg.block_size // cp) % tp == 0 else [])
     return [(kind, s) for kind in kinds for s in sp]
 
