@@ -143,10 +143,19 @@ def clip_grad_norm(params: Iterable[Parameter], max_norm: float,
     so a GPU step never waits for the host here.
     """
     held = [p for p in params if p.grad is not None]
-    local = sum((((p.grad * p.grad) * getattr(p, "norm_scale", 1.0)).sum() for p in held), xp.zeros(()))
-    norm = xp.sqrt(xp.asarray(sum_squares(local)))
+    norm = xp.sqrt(xp.asarray(sum_squares(sum_of_squares(held))))
+    scale_to_norm(held, norm, max_norm)
+    return norm
+
+
+def sum_of_squares(held: Iterable[Any]) -> Any:
+    """Σ norm_scale·g² over the gradients of ``held`` (objects with ``.grad``), as a 0-d xp array."""
+    return sum((((p.grad * p.grad) * getattr(p, "norm_scale", 1.0)).sum() for p in held), xp.zeros(()))
+
+
+def scale_to_norm(held: Iterable[Any], norm: Any, max_norm: float) -> None:
+    """Multiply every gradient by max_norm / norm when ``norm`` exceeds ``max_norm`` (0: never)."""
     if max_norm > 0:
         scale = xp.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
         for p in held:
             p.grad *= scale.astype(p.grad.dtype)
-    return norm

@@ -19,6 +19,12 @@ bucket (no extra copy).
 
 Gradient accumulation: inside ``with model.no_sync():`` hooks do nothing and gradients simply
 accumulate in ``p.grad``; the next backward outside it averages the accumulated sum.
+
+Expert parameters (``p.expert``, see models/moe.py) under expert parallelism differ between the
+ranks of an ep group, so they reduce over ``expert_comm`` — the ranks holding the same experts —
+instead of ``comm``. Their gradient on a rank already sums the contributions of the ep ranks whose
+tokens it computed; averaging over the dp/ep expert replicas and scaling by ep/dp·(dp/ep) = 1/ep
+gives the same (1/p) Σ_r ∇L_r as for every other parameter (:func:`replica_groups`).
 """
 from __future__ import annotations
 
@@ -33,10 +39,11 @@ from minipar.nn import Module, Parameter
 
 
 class Bucket:
-    """Parameters whose gradients travel together as one flat buffer of ``size`` elements."""
+    """Parameters whose gradients travel together as one flat buffer of ``size`` elements, reduced over ``comm``
+    and then multiplied by ``scale`` (1 but for expert parameters: see :func:`replica_groups`)."""
 
-    def __init__(self, params: list[Parameter]):
-        self.params = params
+    def __init__(self, params: list[Parameter], comm: Communicator | None = None, scale: float = 1.0):
+        self.params, self.comm, self.scale = params, comm, scale
         self.shapes = [p.shape for p in params]  # kept: ZeRO-3 empties the parameters themselves
         self.offsets = np.cumsum([0] + [p.size for p in params]).tolist()
         self.size = self.offsets[-1]
@@ -53,18 +60,35 @@ class Bucket:
         return xp.concatenate([a.reshape(-1) for a in arrays]) if arrays else xp.zeros(0, self.dtype)
 
 
-def make_buckets(params: list[Parameter], bucket_bytes: float) -> list[Bucket]:
+def make_buckets(params: list[Parameter], bucket_bytes: float, comm: Communicator | None = None,
+                 scale: float = 1.0) -> list[Bucket]:
     """Consecutive runs of ``params`` (already in gradient-ready order) of about ``bucket_bytes`` each."""
     buckets, current, size = [], [], 0
     for p in params:
         if current and (size + p.data.nbytes > bucket_bytes or p.dtype != current[0].dtype):
-            buckets.append(Bucket(current))
+            buckets.append(Bucket(current, comm, scale))
             current, size = [], 0
         current.append(p)
         size += p.data.nbytes
     if current:
-        buckets.append(Bucket(current))
+        buckets.append(Bucket(current, comm, scale))
     return buckets
+
+
+def replica_groups(params: list[Parameter], comm: Communicator,
+                   expert_comm: Communicator | None) -> list[tuple[list[Parameter], Communicator, float]]:
+    """(parameters, the ranks holding identical copies of them, gradient scale after averaging there).
+
+    Every gradient must end as the average over ``comm``'s loss replicas. Dense parameters: average
+    over ``comm``. Expert parameters (``p.expert``) with an ``expert_comm`` (the dp/ep ranks holding
+    the same experts): average there, times expert_comm.size / comm.size = 1/ep.
+    """
+    if expert_comm is None or expert_comm is comm:
+        return [(params, comm, 1.0)]
+    dense = [p for p in params if not getattr(p, "expert", False)]
+    experts = [p for p in params if getattr(p, "expert", False)]
+    return [(group, c, scale) for group, c, scale in ((dense, comm, 1.0), (experts, expert_comm, expert_comm.size / comm.size))
+            if group]
 
 
 def gradient_ready_order(model: Module) -> list[Parameter]:
@@ -84,14 +108,15 @@ def live_bytes(arrays: list[Any]) -> int:
     return sum(bases.values())
 
 
-def broadcast_parameters(params: list[Parameter], comm: Communicator) -> None:
-    """Rank 0's parameters to every rank, one flat buffer per dtype (binomial tree: ⌈log₂p⌉ rounds)."""
-    if comm.size == 1:
-        return
-    for group in make_buckets(params, float("inf")):
-        flat = comm.broadcast(group.flatten([p.data for p in group.params]), root=0, label="broadcast_params")
-        for i, p in enumerate(group.params):
-            p.data[...] = group.slot(flat, i)
+def broadcast_parameters(groups: list[tuple[list[Parameter], Communicator, float]]) -> None:
+    """Each group's rank-0 parameters to the group, one flat buffer per dtype (binomial tree: ⌈log₂p⌉ rounds)."""
+    for params, comm, _ in groups:
+        if comm.size == 1:
+            continue
+        for group in make_buckets(params, float("inf")):
+            flat = comm.broadcast(group.flatten([p.data for p in group.params]), root=0, label="broadcast_params")
+            for i, p in enumerate(group.params):
+                p.data[...] = group.slot(flat, i)
 
 
 class ReplicatedModel:
@@ -122,17 +147,19 @@ class ReplicatedModel:
 
 class DataParallel(ReplicatedModel):
     def __init__(self, model: Module, comm: Communicator, bucket_mb: float = 25.0, overlap: bool = True,
-                 compression: Any = None):
+                 compression: Any = None, expert_comm: Communicator | None = None):
         """``overlap=False`` starts every all-reduce only in ``sync_gradients`` (for measuring what overlap buys);
-        ``compression`` (a minipar.parallel.compression.Compressor) replaces each bucket's all-reduce."""
+        ``compression`` (a minipar.parallel.compression.Compressor) replaces each bucket's all-reduce;
+        ``expert_comm``: where expert parameters reduce under expert parallelism."""
         super().__init__(model)
         self.comm, self.overlap, self.compression = comm, overlap, compression
-        broadcast_parameters(self.params, comm)
-        self.buckets = make_buckets(gradient_ready_order(model), bucket_mb * 2**20)
-        if comm.size > 1:
-            for bucket in self.buckets:
-                for i, p in enumerate(bucket.params):
-                    p.register_hook(lambda p, bucket=bucket, i=i: self._gradient_ready(bucket, i))
+        groups = replica_groups(gradient_ready_order(model), comm, expert_comm)
+        broadcast_parameters(groups)
+        self.buckets = [b for params, c, scale in groups for b in make_buckets(params, bucket_mb * 2**20, c, scale)
+                        if c.size > 1 or scale != 1.0]
+        for bucket in self.buckets:
+            for i, p in enumerate(bucket.params):
+                p.register_hook(lambda p, bucket=bucket, i=i: self._gradient_ready(bucket, i))
 
     def _gradient_ready(self, bucket: Bucket, i: int) -> None:
         if not self._sync:
@@ -146,9 +173,9 @@ class DataParallel(ReplicatedModel):
 
     def _launch(self, bucket: Bucket) -> None:
         if self.compression is None:
-            bucket.handle = self.comm.all_reduce(bucket.buffer, op="avg", async_op=True, algorithm="ring", label="grads")
+            bucket.handle = bucket.comm.all_reduce(bucket.buffer, op="avg", async_op=True, algorithm="ring", label="grads")
         else:  # compress, communicate, decompress: all on the communication thread
-            bucket.handle = self.comm.submit(lambda: self.compression.reduce(self.comm, bucket, bucket.buffer))
+            bucket.handle = bucket.comm.submit(lambda: self.compression.reduce(bucket.comm, bucket, bucket.buffer))
 
     def sync_gradients(self) -> None:
         """Wait for every bucket's all-reduce; afterwards each ``p.grad`` is the average over ranks.
@@ -156,8 +183,6 @@ class DataParallel(ReplicatedModel):
         A bucket some of whose parameters got no gradient (unused in this forward) is reduced here,
         with zeros for the missing ones, in bucket order — the same order on every rank.
         """
-        if self.comm.size == 1:
-            return
         for bucket in self.buckets:
             if bucket.handle is None:
                 if bucket.buffer is None:
@@ -168,14 +193,16 @@ class DataParallel(ReplicatedModel):
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.handle.wait()
+            if bucket.scale != 1.0:
+                bucket.buffer *= bucket.scale
             for i, p in enumerate(bucket.params):
                 p.grad = bucket.slot(bucket.buffer, i)
             bucket.handle, bucket.ready = None, 0
 
     def formula_bytes(self) -> float:
-        """Bytes one rank should send per synchronized step: ring all-reduce of Ψ elements, 2(p−1)/p·Ψ·itemsize."""
-        p = self.comm.size
-        return 2 * (p - 1) / p * sum(b.size * np.dtype(b.dtype).itemsize for b in self.buckets)
+        """Bytes one rank should send per synchronized step: ring all-reduce of Ψ elements, 2(p−1)/p·Ψ·itemsize
+        (Ψ and p per replica group: the dense parameters over comm, the experts over expert_comm)."""
+        return sum(2 * (b.comm.size - 1) / b.comm.size * b.size * np.dtype(b.dtype).itemsize for b in self.buckets)
 
     def model_state_bytes(self, optimizer: Any) -> dict[str, int]:
         """Counted bytes of the live parameter, gradient and optimizer-state arrays on this rank."""

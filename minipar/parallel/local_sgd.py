@@ -34,7 +34,7 @@ class LocalSGD:
         self.comm, self.sync_every, self.staleness = comm, sync_every, staleness
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.params = model.parameters()
-        broadcast_parameters(self.params, comm)
+        broadcast_parameters([(self.params, comm, 1.0)])
         (self.layout,) = make_buckets(self.params, float("inf"))  # one flat buffer (one dtype in a GPT)
         self.global_params = self._flatten()                       # θ: identical on every rank
         self.anchor = self.global_params.copy()                    # θ_local at the start of this round

@@ -12,42 +12,58 @@ Parameters are replicated over dp and cp alike (cp ranks hold the same weights a
 tokens), so gradients reduce — and ZeRO shards — over ``grad_comm``, the dp × cp ranks with this
 rank's (pp, tp) coordinates. With cp = 1 it is the dp group itself.
 
+Expert parallelism is carved out of the data-parallel ranks (DeepSpeed-MoE, Megatron-core): the dp
+coordinate splits as dp_rank = edp_rank · ep + ep_rank, so runs of ep consecutive dp ranks form an
+``ep_comm`` that exchanges tokens and holds E/ep experts each. A rank's experts are replicated only
+over the ranks with the same ep_rank — ``expert_grad_comm``, dp/ep × cp ranks — where their
+gradients reduce. With ep = 1 it is ``grad_comm``.
+
     mesh = Mesh(Communicator(), dp=2, tp=2, pp=2)   # 8 ranks
-    mesh.tp_comm, mesh.dp_comm, mesh.pp_comm        # this rank's groups (and cp_comm, grad_comm)
+    mesh.tp_comm, mesh.dp_comm, mesh.pp_comm        # this rank's groups (and cp_comm, grad_comm, ep_comm, ...)
 """
 from __future__ import annotations
 
 from minipar.comm import Communicator
 
 AXES = ("pp", "dp", "cp", "tp")  # slowest to fastest
+_FINE_AXES = ("pp", "edp", "ep", "cp", "tp")  # dp = edp × ep
 
 
 class Mesh:
-    def __init__(self, world: Communicator, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1):
-        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+    def __init__(self, world: Communicator, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1):
+        sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
         for name, size in sizes.items():
             if size < 1:
                 raise ValueError(f"--{name} must be >= 1, got {size}")
+        if dp % ep:
+            raise ValueError(f"--ep {ep} must divide --dp {dp}: expert parallelism is carved out of the data-parallel ranks")
         total = pp * dp * cp * tp
         if total != world.size:
             raise ValueError(f"world size {world.size} != pp·dp·cp·tp = {pp}·{dp}·{cp}·{tp}; launch with mpiexec -n {total}")
         self.world, self.sizes = world, sizes
-        self.dp, self.tp, self.pp, self.cp = dp, tp, pp, cp
+        self.dp, self.tp, self.pp, self.cp, self.ep = dp, tp, pp, cp, ep
         coords = dict(zip(AXES, self.coordinates(world.rank)))
         self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = (coords[a] for a in AXES)
+        self.ep_rank = self.dp_rank % ep
+        fine = {**coords, "edp": self.dp_rank // ep, "ep": self.ep_rank}
+        self._fine_sizes = {**sizes, "edp": dp // ep}
         # one group per axis: the ranks that share every other coordinate, ordered along the axis
-        for axis in AXES:
-            setattr(self, f"{axis}_comm", self._group([axis], coords))
-        self.grad_comm = self.dp_comm if cp == 1 else self._group(["dp", "cp"], coords, name="dp·cp")
+        self.pp_comm = self._group(["pp"], fine)
+        self.dp_comm = self._group(["edp", "ep"], fine, "dp")
+        self.cp_comm = self._group(["cp"], fine)
+        self.tp_comm = self._group(["tp"], fine)
+        self.grad_comm = self.dp_comm if cp == 1 else self._group(["edp", "ep", "cp"], fine, "dp·cp")
+        self.ep_comm = self._group(["ep"], fine)
+        self.expert_grad_comm = self.grad_comm if ep == 1 else self._group(["edp", "cp"], fine, "expert dp")
 
     def _group(self, axes: list[str], coords: dict[str, int], name: str | None = None) -> Communicator:
         """The ranks whose coordinates differ from this rank's only along ``axes`` (key: their order there)."""
         color, key = 0, 0
-        for axis in AXES:
+        for axis in _FINE_AXES:
             if axis in axes:
-                key = key * self.sizes[axis] + coords[axis]
+                key = key * self._fine_sizes[axis] + coords[axis]
             else:
-                color = color * self.sizes[axis] + coords[axis]
+                color = color * self._fine_sizes[axis] + coords[axis]
         return self.world.split(color=color, key=key, name=name or axes[0])
 
     def coordinates(self, rank: int) -> tuple[int, int, int, int]:
@@ -56,5 +72,5 @@ class Mesh:
         return rank // (dp * cp * tp), rank // (cp * tp) % dp, rank // tp % cp, rank % tp
 
     def __repr__(self) -> str:
-        shape = ", ".join(f"{a}={self.sizes[a]}" for a in AXES)
+        shape = ", ".join(f"{a}={self.sizes[a]}" for a in (*AXES, "ep"))
         return f"Mesh({shape}; rank {self.world.rank} = {self.coordinates(self.world.rank)})"

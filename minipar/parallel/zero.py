@@ -31,6 +31,10 @@ owns chunk r of every group (``numpy.array_split`` bounds, so sizes need not div
 
 Gradient accumulation: stage 1 honours ``no_sync()`` (full gradients accumulate locally); stages
 2-3 reduce-scatter on every backward and accumulate into the shard, as DeepSpeed does.
+
+Expert parallelism: expert parameters are sharded over ``expert_comm`` (the ranks holding the same
+experts) instead of ``comm``, each group's gradient scaled as data_parallel.replica_groups says; every
+shard carries its own communicator, and a stage-3 unit with both kinds holds one shard of each.
 """
 from __future__ import annotations
 
@@ -43,15 +47,16 @@ from minipar.backend import to_device, to_host, xp
 from minipar.comm import Communicator, Handle
 from minipar.comm.collectives import chunk_bounds
 from minipar.nn import Module, ModuleList
-from minipar.optim import Optimizer, adamw_update, clip_grad_norm
+from minipar.optim import Optimizer, adamw_update, scale_to_norm, sum_of_squares
 from minipar.parallel.data_parallel import (Bucket, ReplicatedModel, broadcast_parameters, gradient_ready_order,
-                                            live_bytes, make_buckets)
+                                            live_bytes, make_buckets, replica_groups)
 
 class Shard:
     """One flat group of parameters and this rank's slice [lo, hi) of it: parameters, gradient, Adam state."""
 
-    def __init__(self, bucket: Bucket, comm: Communicator, weight_decay: float):
-        self.bucket = bucket
+    def __init__(self, bucket: Bucket, weight_decay: float):
+        self.bucket, self.comm = bucket, bucket.comm
+        comm = bucket.comm
         bounds = chunk_bounds(bucket.size, comm.size)
         self.sizes = [bounds[i + 1] - bounds[i] for i in range(comm.size)]
         self.lo, self.hi = bounds[comm.rank], bounds[comm.rank + 1]
@@ -104,26 +109,31 @@ class ZeRO(ReplicatedModel, Optimizer):
 
     def __init__(self, model: Module, comm: Communicator, stage: int, lr: float = 3e-4,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 bucket_mb: float = 25.0):
+                 bucket_mb: float = 25.0, expert_comm: Communicator | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         ReplicatedModel.__init__(self, model)
         Optimizer.__init__(self, self.params, lr)
         self.comm, self.stage = comm, stage
         self.beta1, self.beta2, self.eps = betas[0], betas[1], eps
-        broadcast_parameters(self.params, comm)
+        broadcast_parameters(replica_groups(self.params, comm, expert_comm))
         wd = float(weight_decay)
         if stage < 3:
-            self.shards = [Shard(b, comm, wd) for b in make_buckets(gradient_ready_order(model), bucket_mb * 2**20)]
+            self.shards = [Shard(b, wd) for params, c, scale in replica_groups(gradient_ready_order(model), comm, expert_comm)
+                           for b in make_buckets(params, bucket_mb * 2**20, c, scale)]
         else:
             units = default_units(model)
             inner = {id(p) for unit in units for p in unit.parameters()}
             root = [p for p in model.parameters() if id(p) not in inner]
             owners = [*reversed(units), *([model] if root else [])]  # gradient order: last block first, root last
-            self.shards = [Shard(Bucket(u.parameters() if u is not model else root), comm, wd) for u in owners]
-            for module, shard in zip(owners, self.shards):
-                module.register_forward_pre_hook(lambda m, shard=shard: self._gather(shard))
-                module.register_forward_hook(lambda m, out, shard=shard: self._after_forward(shard, out))
+            self.shards = []
+            for module in owners:
+                for params, c, scale in replica_groups(module.parameters() if module is not model else root, comm,
+                                                       expert_comm):
+                    shard = Shard(Bucket(params, c, scale), wd)
+                    self.shards.append(shard)
+                    module.register_forward_pre_hook(lambda m, shard=shard: self._gather(shard))
+                    module.register_forward_hook(lambda m, out, shard=shard: self._after_forward(shard, out))
         for shard in self.shards:
             flat = shard.bucket.flatten([p.data for p in shard.bucket.params])
             if stage < 3:
@@ -141,7 +151,7 @@ class ZeRO(ReplicatedModel, Optimizer):
         """All-gather a unit's parameters: p.data becomes a view of the full flat buffer."""
         if shard.gathered:
             return
-        full = self.comm.all_gather(shard.params, sizes=shard.sizes, algorithm="ring", label="params")
+        full = shard.comm.all_gather(shard.params, sizes=shard.sizes, algorithm="ring", label="params")
         for i, p in enumerate(shard.bucket.params):
             p.data = shard.bucket.slot(full, i)
         shard.gathered = True
@@ -169,8 +179,8 @@ class ZeRO(ReplicatedModel, Optimizer):
     def _launch(self, shard: Shard) -> None:
         grads = [p.grad if p.grad is not None else xp.zeros(shape, shard.bucket.dtype)
                  for p, shape in zip(shard.bucket.params, shard.bucket.shapes)]
-        shard.pending.append(self.comm.reduce_scatter(shard.bucket.flatten(grads), op="avg", async_op=True,
-                                                      algorithm="ring", label="grads"))
+        shard.pending.append(shard.comm.reduce_scatter(shard.bucket.flatten(grads), op="avg", async_op=True,
+                                                       algorithm="ring", label="grads"))
         shard.ready = 0
         if self.stage >= 2:
             for p in shard.bucket.params:
@@ -190,17 +200,23 @@ class ZeRO(ReplicatedModel, Optimizer):
         for shard in self.shards:
             for handle in shard.pending:
                 chunk = handle.wait()
+                if shard.bucket.scale != 1.0:
+                    chunk *= shard.bucket.scale
                 shard.grad = chunk if shard.grad is None else shard.grad + chunk
             shard.pending = []
 
     # ------------------------------------------------------------------------------- optimizer
     def clip_grad_norm(self, max_norm: float, sum_squares: Callable[[Any], Any] = lambda s: s) -> Any:
-        """Global norm from the shards: Σg² per rank, summed over the ZeRO ranks with one scalar all-reduce
-        (then over other groups by ``sum_squares``, e.g. tensor-parallel ranks)."""
-        holders = [_GradHolder(s.grad, s.norm_scale) for s in self.shards if s.grad is not None]
-        total = lambda local: sum_squares(self.comm.all_reduce(xp.asarray(local, dtype=xp.float64).reshape(1),  # noqa: E731
-                                                               label="grad_norm")[0])
-        return clip_grad_norm(holders, max_norm, sum_squares=total)
+        """Global norm from the shards: Σg² per rank, summed over each replica group's ZeRO ranks with one
+        scalar all-reduce (then over other groups by ``sum_squares``, e.g. tensor-parallel ranks)."""
+        holders = [_GradHolder(s.grad, s.norm_scale, s.comm) for s in self.shards if s.grad is not None]
+        local = 0.0
+        for comm in dict.fromkeys(s.comm for s in self.shards):
+            squares = sum_of_squares(h for h in holders if h.comm is comm)
+            local = local + comm.all_reduce(xp.asarray(squares, dtype=xp.float64).reshape(1), label="grad_norm")[0]
+        norm = xp.sqrt(xp.asarray(sum_squares(local)))
+        scale_to_norm(holders, norm, max_norm)
+        return norm
 
     def step(self) -> None:
         """AdamW on this rank's shard; stages 1-2 then all-gather the updated parameters."""
@@ -210,7 +226,7 @@ class ZeRO(ReplicatedModel, Optimizer):
                 adamw_update(shard.params, shard.grad, shard.m, shard.v, step=self.step_count, lr=self.lr,
                              beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=shard.weight_decay)
         if self.stage < 3:
-            handles = [self.comm.all_gather(s.params, sizes=s.sizes, async_op=True, algorithm="ring", label="params")
+            handles = [s.comm.all_gather(s.params, sizes=s.sizes, async_op=True, algorithm="ring", label="params")
                        for s in self.shards]
             for shard, handle in zip(self.shards, handles):
                 shard.flat[...] = handle.wait()
@@ -225,10 +241,9 @@ class ZeRO(ReplicatedModel, Optimizer):
 
     # ------------------------------------------------------------------------------- reporting
     def formula_bytes(self) -> float:
-        """Bytes one rank should send per step: (2 or 3)(p−1)/p·Ψ·itemsize (ZeRO paper, §7)."""
-        p = self.comm.size
-        psi_bytes = sum(s.bucket.size * np.dtype(s.bucket.dtype).itemsize for s in self.shards)
-        return (3 if self.stage == 3 else 2) * (p - 1) / p * psi_bytes
+        """Bytes one rank should send per step: (2 or 3)(p−1)/p·Ψ·itemsize (ZeRO paper, §7), per replica group."""
+        return sum((3 if self.stage == 3 else 2) * (s.comm.size - 1) / s.comm.size * s.bucket.size
+                   * np.dtype(s.bucket.dtype).itemsize for s in self.shards)
 
     def model_state_bytes(self, optimizer: Any = None) -> dict[str, int]:
         """Counted bytes of the live parameter, gradient and optimizer-state arrays on this rank."""
@@ -241,7 +256,7 @@ class ZeRO(ReplicatedModel, Optimizer):
         names = {id(p): n for n, p in self.module.named_parameters()}
         out = {}
         for shard in self.shards:
-            full = self.comm.all_gather(pick(shard), sizes=shard.sizes, label="checkpoint")
+            full = shard.comm.all_gather(pick(shard), sizes=shard.sizes, label="checkpoint")
             for i, p in enumerate(shard.bucket.params):
                 out[names[id(p)]] = to_host(shard.bucket.slot(full, i)).copy()
         return out
@@ -268,5 +283,5 @@ class ZeRO(ReplicatedModel, Optimizer):
 class _GradHolder:
     """Lets clip_grad_norm treat a gradient shard like a parameter's ``.grad``."""
 
-    def __init__(self, grad: Any, norm_scale: Any):
-        self.grad, self.norm_scale = grad, norm_scale
+    def __init__(self, grad: Any, norm_scale: Any, comm: Communicator):
+        self.grad, self.norm_scale, self.comm = grad, norm_scale, comm
