@@ -103,7 +103,8 @@ def plan_command(args: argparse.Namespace) -> None:
         L, H, C, T, V = planner.PRESETS[args.preset]
     else:
         L, H, C, T, V = args.n_layer, args.n_head, args.n_embd, args.block_size, 256
-    cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C)
+    cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C, n_expert=args.n_expert,
+                    expert_top_k=min(args.expert_top_k, max(args.n_expert, 1)), capacity_factor=args.capacity_factor)
     profile = plan_profile(args)
     if args.memory_gb:
         profile = dataclasses.replace(profile, memory=args.memory_gb * 1e9)
@@ -115,7 +116,8 @@ def plan_command(args: argparse.Namespace) -> None:
         if not predictions:
             raise ValueError(f"no feasible-or-not layout matches {args.layout}")
     flops = lambda layout: planner.megatron_flops(cfg, args.batch_size, layout.recompute)  # noqa: E731
-    print(f"GPT L={L} H={H} C={C} T={T} V={V} ({cfg.num_parameters() / 1e6:,.1f} M params), "
+    experts = f" E={cfg.n_expert} top-{cfg.expert_top_k}" if cfg.n_expert else ""
+    print(f"GPT L={L} H={H} C={C} T={T} V={V}{experts} ({cfg.num_parameters() / 1e6:,.1f} M params), "
           f"batch {args.batch_size}, {args.dtype}, {args.world} × {profile.name} ({profile.memory / 1e9:.0f} GB)")
     print(planner.format_plan(predictions, args.top, flops))
 
@@ -177,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--n-head", type=int, default=4, help="attention heads")
     pl.add_argument("--n-embd", type=int, default=128, help="model width")
     pl.add_argument("--block-size", type=int, default=128, help="context length")
+    pl.add_argument("--n-expert", type=int, default=0, help="mixture of experts per MLP (0: dense)")
+    pl.add_argument("--expert-top-k", type=int, default=2, help="experts per token")
+    pl.add_argument("--capacity-factor", type=float, default=1.25, help="expert capacity factor")
     pl.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     pl.add_argument("--dtype", choices=["float64", "float32", "bfloat16", "float16"], default="float32",
                     help="activation and message element type")
@@ -184,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "for --world ranks, measured on first use)")
     pl.add_argument("--memory-gb", type=float, help="override the profile's device memory")
     pl.add_argument("--recompute", action="store_true", help="also consider activation recomputation (what-if)")
-    pl.add_argument("--layout", help="show only layouts matching e.g. dp=8,tp=8,pp=16 (or cp=2,sp=True)")
+    pl.add_argument("--layout", help="show only layouts matching e.g. dp=8,tp=8,pp=16 (or cp=2,sp=True, ep=2)")
     pl.add_argument("--no-context", action="store_true",
                     help="leave out context and sequence parallelism (the published 2021 runs had neither)")
     pl.add_argument("--top", type=int, default=10, help="layouts to print")

@@ -108,3 +108,22 @@ def test_train_auto_picks_a_layout_and_trains_correctly(tmp_path):
     losses = [json.loads(line)["loss"] for line in out.splitlines() if line.startswith("{")]
     expected = [json.loads(line)["loss"] for line in single.stdout.splitlines()]
     np.testing.assert_allclose(losses, expected, rtol=1e-9)
+
+
+def test_expert_terms_and_layouts():
+    """Experts: ep | dp and ep | E, no pp/cp/sp; expert states 1/ep per rank, reduced over dp/ep; exchanges cost."""
+    moe = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64, n_expert=4)
+    layouts = planner.enumerate_layouts(moe, 8, 16)
+    assert {lay.ep for lay in layouts} == {1, 2, 4}
+    assert all(lay.dp % lay.ep == 0 and lay.pp == lay.cp == 1 and not lay.sp for lay in layouts)
+    assert {lay.ep for lay in planner.enumerate_layouts(CFG, 8, 16)} == {1}
+    profile = planner.BUILTIN_PROFILES["a100-80gb"]
+    experts = moe.n_layer * moe.n_expert * (8 * 64 * 64 + 5 * 64)
+    dense = moe.num_parameters() - experts
+    for ep in (1, 2, 4):
+        pred = planner.predict(moe, 16, planner.Layout(4, 1, 1, 0, 1, ep=ep), profile)
+        assert pred.breakdown["model_states"] == pytest.approx(16 * dense + 16 * experts / ep)
+        assert (pred.breakdown["ep_comm"] > 0) == (ep > 1)
+        zero3 = planner.predict(moe, 16, planner.Layout(4, 1, 1, 3, 1, ep=ep), profile)
+        assert zero3.breakdown["model_states"] == pytest.approx(16 * dense / 4 + 16 * experts / ep / (4 // ep))
+    assert planner.Layout(4, 2, 1, 1, 1, ep=2).flags()[-2:] == ["--ep", "2"] and "ep2" in str(planner.Layout(4, 1, 1, ep=2))

@@ -20,19 +20,28 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
               not hidden. Ulysses: per layer two all-to-alls each way of (3 + 1)·t·C/(cp·tp) values,
               (cp−1)α + (cp−1)/cp·nβ each.
     sequence  Megatron-SP turns each tp all-reduce into an all-gather + reduce-scatter: the same time
+    experts   with E experts (top-k, capacity factor c) the MLP computes the c·k·t rows of its capacity
+              slots, whole on every tp rank: 2·c·k·t·8C²·3 FLOPs instead of 2·t·8C²·3/tp. Expert
+              parallelism over ep of the dp ranks: per layer and microbatch a counts all-to-all, then
+              dispatch and combine forward and both again backward, each a pairwise all-to-all of
+              k·t·C·itemsize bytes ((ep−1)α + (ep−1)/ep·nβ); expert parameters are 1/ep per rank and
+              reduce over dp·cp/ep ranks
     links     a group inside one node (``devices_per_node``) uses ``intra``, else ``inter`` (α, β)
 
 Memory per device: model states 16Ψ_l (DP), 8Ψ_l + 12Ψ_l/dp (ZeRO-1), 4Ψ_l + 12Ψ_l/dp (ZeRO-2),
-16Ψ_l/dp (ZeRO-3) — bytes of float32 params, grads, m, v, or of bf16 params/grads + fp32 master
+16Ψ_l/dp (ZeRO-3) (expert parameters: Ψ_e/ep sharded over dp·cp/ep) — bytes of float32 params, grads, m, v, or of bf16 params/grads + fp32 master
 and moments, both 16 per parameter; activations per layer and microbatch
 s·b·h·(10 + 24/tp + 5·a·s/(h·tp)) at 2 bytes (Korthikanti et al. 2022; ×itemsize/2), with sequence
 parallelism s·b·h·(34/tp + 5·a·s/(h·tp)), with context parallelism s = T/cp per rank (Ulysses keeps the
 score term of the full T for a/cp heads: 5·a·T²/(cp·h·tp)), for the microbatches a stage holds at once
 (1F1B: pp, GPipe: m), or just the layer inputs with recomputation, plus the logits of the last stage.
+A mixture-of-experts MLP holds its 4h-wide intermediates for c·k·s·b rows, whole on every tp rank:
+16·c·k instead of 16/tp of the linear term.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -123,14 +132,16 @@ class Layout:
     cp: int = 1
     cp_kind: str = "ring"
     sp: bool = False
+    ep: int = 1
 
     def flags(self) -> list[str]:
         return ["--dp", str(self.dp), "--tp", str(self.tp), "--pp", str(self.pp), "--zero", str(self.zero),
                 "--microbatches", str(self.microbatches), "--schedule", self.schedule, "--cp", str(self.cp),
-                "--cp-kind", self.cp_kind, *(["--sp"] if self.sp else [])]
+                "--cp-kind", self.cp_kind, *(["--sp"] if self.sp else []), "--ep", str(self.ep)]
 
     def __str__(self) -> str:
         cp = f"·cp{self.cp} {self.cp_kind}" if self.cp > 1 else ""
+        cp += f"·ep{self.ep}" if self.ep > 1 else ""
         return (f"dp{self.dp}·tp{self.tp}{' sp' if self.sp else ''}·pp{self.pp}{cp} zero{self.zero} m{self.microbatches}"
                 + (f" {self.schedule}" if self.pp > 1 else "") + (" recompute" if self.recompute else ""))
 
@@ -165,7 +176,8 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     passes = 4.0 if layout.recompute else 3.0  # forward + backward (+ the forward again)
 
     attention_flops = 4 * b * T * T * C / (tp * cp)
-    layer_flops = (2 * t * 12 * C * C / tp + attention_flops) * passes
+    mlp_rows = expert_rows(cfg, t) if cfg.n_expert else t / tp  # a mixture-of-experts MLP is whole on every tp rank
+    layer_flops = (2 * t * 4 * C * C / tp + 2 * mlp_rows * 8 * C * C + attention_flops) * passes
     layer_bytes = (profile.passes_act * t * C + profile.passes_att * b * H * T * T / cp) / tp * itemsize * passes / 3
     flops = profile.gemm_flops(t)
     layer_time = (layer_flops / flops + layer_bytes / profile.bandwidth + profile.ops_per_layer * profile.op_overhead)
@@ -174,26 +186,52 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     tp_time = (4 * L / pp + 2) * _ring_all_reduce(t * C * itemsize, tp, tp_link) if tp > 1 else 0.0
     cp_time = math.ceil(L / pp) * context_time(layout, t * C / tp * itemsize, attention_flops / flops / cp,
                                                profile.link(cp, cp * tp)) if cp > 1 else 0.0
+    ep_time = math.ceil(L / pp) * expert_time(cfg, layout, t * C * itemsize, profile.link(layout.ep, layout.ep * cp * tp))
     pp_link = profile.link(world, world)
     pp_time = 2 * (pp_link.alpha + t * C * itemsize * pp_link.beta) if pp > 1 else 0.0
     stage_compute = (math.ceil(L / pp) * layer_time + head_time) * share
-    microbatch = stage_compute + tp_time + cp_time + pp_time
+    microbatch = stage_compute + tp_time + cp_time + ep_time + pp_time
     pipeline_time = (m + pp - 1) * microbatch
 
-    psi_local = stage_parameters(cfg, pp) / tp
-    replicas = dp * cp  # gradients reduce, and ZeRO shards, over dp×cp
-    dp_link = profile.link(replicas, replicas * tp)
-    dp_comm = _ring_all_reduce(psi_local * itemsize, replicas, dp_link)
+    replicas = dp * cp  # gradients reduce, and ZeRO shards, over dp×cp (experts: over dp×cp/ep)
+    dp_comm = optimizer_words = 0.0
+    for psi, group in local_parameter_groups(cfg, layout):
+        dp_comm += _ring_all_reduce(psi * itemsize, group, profile.link(group, replicas * tp))
+        optimizer_words += 7 * 4 * psi / (group if layout.zero else 1)
     exposed_dp = dp_comm * (1 - profile.overlap) + (dp_comm / 2 * m if layout.zero == 3 else 0.0)
-    optimizer = 7 * 4 * psi_local / (replicas if layout.zero else 1) / profile.bandwidth * share
+    optimizer = optimizer_words / profile.bandwidth * share
     step = pipeline_time + exposed_dp + optimizer
 
     states, activations = memory_per_rank(cfg, batch_size, layout, itemsize)
     memory = states + activations
     breakdown = {"compute": m * stage_compute, "bubble": (pp - 1) * microbatch, "tp_comm": m * tp_time,
-                 "cp_comm": m * cp_time, "pp_comm": m * pp_time, "dp_comm_exposed": exposed_dp,
+                 "cp_comm": m * cp_time, "ep_comm": m * ep_time, "pp_comm": m * pp_time, "dp_comm_exposed": exposed_dp,
                  "optimizer": optimizer, "model_states": states, "activations": activations}
     return Prediction(layout, step, memory, memory <= profile.memory, breakdown)
+
+
+def expert_rows(cfg: Any, tokens: float) -> float:
+    """Rows a mixture-of-experts MLP computes for ``tokens`` tokens: its capacity slots, c·k·tokens."""
+    return cfg.capacity_factor * cfg.expert_top_k * tokens
+
+
+def expert_time(cfg: Any, layout: Layout, token_bytes: float, link: Link) -> float:
+    """Seconds of expert-parallel exchanges per layer and microbatch; ``token_bytes`` = t·C·itemsize on a rank."""
+    ep = layout.ep
+    if ep == 1 or not cfg.n_expert:
+        return 0.0
+    all_to_all = lambda n: (ep - 1) * link.alpha + (ep - 1) / ep * n * link.beta  # noqa: E731
+    return all_to_all(8 * cfg.n_expert) + 4 * all_to_all(cfg.expert_top_k * token_bytes)
+
+
+def local_parameter_groups(cfg: Any, layout: Layout) -> list[tuple[float, int]]:
+    """(parameters on the busiest rank, the ranks their gradients reduce over) per replica group: the dense
+    ones over dp·cp (÷tp), the experts (÷ep, whole on every tp rank) over dp·cp/ep."""
+    total = stage_parameters(cfg, layout.pp)
+    experts = math.ceil(cfg.n_layer / layout.pp) * cfg.n_expert * (8 * cfg.n_embd ** 2 + 5 * cfg.n_embd)
+    replicas = layout.dp * layout.cp
+    groups = [((total - experts) / layout.tp, replicas)]
+    return groups + ([(experts / layout.ep, replicas // layout.ep)] if experts else [])
 
 
 def context_time(layout: Layout, shard_bytes: float, block_attention: float, link: Link) -> float:
@@ -218,11 +256,11 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
     b = batch_size / (dp * m)
     s = T / cp  # positions per rank
     t = b * s
-    psi_local = stage_parameters(cfg, pp) / tp
-    n = dp * cp  # ZeRO shards over dp×cp
-    states = {0: 16 * psi_local, 1: 8 * psi_local + 12 * psi_local / n,
-              2: 4 * psi_local + 12 * psi_local / n, 3: 16 * psi_local / n}[layout.zero]
+    states = sum({0: 16 * psi, 1: 8 * psi + 12 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[layout.zero]
+                 for psi, n in local_parameter_groups(cfg, layout))  # ZeRO shards each group over its replicas
     linear = 34 / tp if layout.sp else 10 + 24 / tp
+    if cfg.n_expert:
+        linear += 16 * (cfg.capacity_factor * cfg.expert_top_k - 1 / tp)
     scores = 5 * H * T * T / (cp * s * C * tp) if layout.cp_kind == "ulysses" else 5 * H * s / (C * tp)
     per_layer_act = s * b * C * (linear + scores) * itemsize / 2
     in_flight = 1 if pp == 1 else (pp if layout.schedule == "1f1b" else m)
@@ -250,8 +288,10 @@ def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool = F
                       context: bool = True) -> list[Layout]:
     """Every layout the engine accepts: dp·tp·pp·cp = world, tp | n_head and 4C, pp ≤ n_layer, cp splits T
     (and the heads, for Ulysses), sp with tp ≥ 2, dp·m | batch, ZeRO needs dp·cp ≥ 2 and is 0/1 with pp > 1;
-    microbatches 1, 2, 4, … and B/dp (b = 1). ``context=False`` leaves out context and sequence parallelism."""
+    microbatches 1, 2, 4, … and B/dp (b = 1); with experts, ep | dp and ep | E, and no pp, cp or sp.
+    ``context=False`` leaves out context and sequence parallelism."""
     layouts = []
+    moe = bool(getattr(cfg, "n_expert", 0))
     for tp in range(1, world + 1):
         if world % tp or cfg.n_head % tp or (4 * cfg.n_embd) % tp:
             continue
@@ -259,20 +299,20 @@ def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool = F
             if (world // tp) % cp:
                 continue
             for pp in range(1, world // (tp * cp) + 1):
-                if (world // (tp * cp)) % pp or pp > cfg.n_layer:
+                if (world // (tp * cp)) % pp or pp > cfg.n_layer or (moe and (pp > 1 or cp > 1)):
                     continue
                 dp = world // (tp * cp * pp)
                 if batch_size % dp:
                     continue
                 counts = sorted({2**k for k in range(20) if 2**k <= batch_size // dp} | {batch_size // dp})
                 counts = [m for m in counts if (batch_size // dp) % m == 0 and (pp > 1 or m == 1)]  # no pipeline: m = 1
+                experts = [ep for ep in range(1, dp + 1) if dp % ep == 0 and cfg.n_expert % ep == 0] if moe else [1]
                 for kind, sp in context_options(cfg, cp, tp) if context else [("ring", False)]:
                     for zero in range(4):
-                        if (zero and dp * cp == 1) or (zero >= 2 and pp > 1):
+                        if (zero and dp * cp == 1) or (zero >= 2 and pp > 1) or (moe and sp):
                             continue
-                        for m in counts:
-                            for r in ((False, True) if recompute else (False,)):
-                                layouts.append(Layout(dp, tp, pp, zero, m, "1f1b", r, cp, kind, sp))
+                        for m, r, ep in itertools.product(counts, (False, True) if recompute else (False,), experts):
+                            layouts.append(Layout(dp, tp, pp, zero, m, "1f1b", r, cp, kind, sp, ep))
     return layouts
 
 
@@ -413,14 +453,14 @@ def format_plan(predictions: list[Prediction], top: int, model_flops: Any = None
     """A table of the best ``top`` predictions, and TFLOP/s per device when ``model_flops(layout)``
     (FLOPs per step) is given."""
     head = (f"{'rank':>4}  {'layout':<44}{'step ms':>10}{'memory GB':>11}  {'compute':>8}{'bubble':>8}{'tp':>8}{'cp':>8}"
-            f"{'pp':>8}{'dp':>8}")
+            f"{'ep':>8}{'pp':>8}{'dp':>8}")
     lines = [head + ("  TFLOP/s/dev" if model_flops else "")]
     for i, pr in enumerate(predictions[:top], start=1):
         b = pr.breakdown
         row = (f"{i:>4}  {str(pr.layout):<44}{pr.step_time * 1e3:>10.1f}{pr.memory / 1e9:>11.2f}"
                + ("  " if pr.feasible else "* ")
-               + "".join(f"{b[k] * 1e3:>8.1f}" for k in ("compute", "bubble", "tp_comm", "cp_comm", "pp_comm",
-                                                           "dp_comm_exposed")))
+               + "".join(f"{b[k] * 1e3:>8.1f}" for k in ("compute", "bubble", "tp_comm", "cp_comm", "ep_comm",
+                                                           "pp_comm", "dp_comm_exposed")))
         if model_flops:
             world = pr.layout.dp * pr.layout.tp * pr.layout.pp * pr.layout.cp
             row += f"  {model_flops(pr.layout) / pr.step_time / world / 1e12:>10.1f}"
