@@ -24,7 +24,8 @@ from minipar.safetensors_io import atomic_write, decode_safetensors, encode_safe
 #   DIR/step_000010/pp0-tp0.safetensors   one file per (pipeline stage, tensor-parallel rank), written by
 #   DIR/step_000010/pp0-tp1.safetensors   data-parallel rank 0 of that group: the group's parameters and
 #   ...                                   Adam moments ("param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>"),
-#   DIR/step_000010/manifest.json         whole over ZeRO shards, sliced as that tp rank holds them.
+#   DIR/step_000010/manifest.json         whole over ZeRO shards and expert-parallel ranks, sliced as
+#                                         that tp rank holds them.
 #   DIR/latest                            The manifest (size + sha256 of every file) is written last, then
 #                                         `latest` (for people and scripts): a step without a manifest is an
 #                                         interrupted save. Loading a DIR takes its newest complete step.
@@ -50,8 +51,8 @@ class Checkpoint:
     @property
     def layout_name(self) -> str:
         lay = self.layout
-        cp = f"·cp{lay['cp']}" if lay.get("cp", 1) > 1 else ""
-        return f"dp{lay['dp']}{cp}·tp{lay['tp']}·pp{lay['pp']}" + (f" zero-{lay['zero']}" if lay["zero"] else "")
+        extra = "".join(f"·{axis}{lay[axis]}" for axis in ("ep", "cp") if lay.get(axis, 1) > 1)
+        return f"dp{lay['dp']}{extra}·tp{lay['tp']}·pp{lay['pp']}" + (f" zero-{lay['zero']}" if lay["zero"] else "")
 
 
 def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]] | None, mesh: Any, config: Any,
@@ -78,7 +79,7 @@ def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]
     if world.rank == 0:
         manifest = {"format": CHECKPOINT_FORMAT, "step": step, "optimizer_step": optimizer_step,
                     "config": dataclasses.asdict(config),
-                    "layout": {"dp": mesh.dp, "cp": mesh.cp, "tp": mesh.tp, "pp": mesh.pp, "zero": zero},
+                    "layout": {"dp": mesh.dp, "ep": mesh.ep, "cp": mesh.cp, "tp": mesh.tp, "pp": mesh.pp, "zero": zero},
                     "files": records}
         atomic_write(os.path.join(step_dir, "manifest.json"), [json.dumps(manifest, indent=1).encode()])
         atomic_write(os.path.join(root, "latest"), [f"step_{step:06d}\n".encode()])

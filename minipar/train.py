@@ -35,6 +35,9 @@ from minipar.parallel.context_parallel import KINDS as CP_KINDS
 from minipar.parallel.context_parallel import SPLITS as CP_SPLITS
 from minipar.parallel.context_parallel import check_context_parallel, context_parallel, context_slice
 from minipar.parallel.data_parallel import DataParallel
+from minipar.parallel.expert_parallel import (check_expert_parallel, expert_names, expert_parallel,
+                                              expert_report, gather_expert_state, moe_layers,
+                                              shard_expert_state)
 from minipar.parallel.local_sgd import LocalSGD
 from minipar.parallel import planner
 from minipar.parallel.mesh import Mesh
@@ -63,6 +66,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--n-embd", type=int, default=128, help="model width C")
     model.add_argument("--block-size", type=int, default=128, help="context length T")
     model.add_argument("--init-from", metavar="DIR", help="start from a Hugging Face GPT-2 checkpoint directory")
+    model.add_argument("--n-expert", type=int, default=0,
+                       help="mixture of experts: every MLP becomes this many experts behind a router (0: dense GPT-2)")
+    model.add_argument("--expert-top-k", type=int, default=2, help="experts per token (1: Switch gate, >1: renormalized)")
+    model.add_argument("--capacity-factor", type=float, default=1.25,
+                       help="each expert takes at most ⌈factor·k·tokens/E⌉ tokens per rank and microbatch; the rest drop")
+    model.add_argument("--aux-loss-coef", type=float, default=0.01, help="weight of the load-balancing loss")
 
     run = p.add_argument_group("optimization")
     run.add_argument("--steps", type=int, default=300, help="optimizer steps")
@@ -97,6 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--dp", type=int, help="data-parallel degree (default: world size / (tp·pp))")
     par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     par.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    par.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel degree: the experts split over this many data-parallel ranks (divides --dp)")
     par.add_argument("--cp", type=int, default=1, help="context-parallel degree: each sequence split over this many ranks")
     par.add_argument("--cp-kind", choices=list(CP_KINDS), default="ring",
                      help="context parallelism: ring attention (K/V blocks around the ring) or DeepSpeed-Ulysses")
@@ -149,6 +160,7 @@ def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
     args.dp, args.tp, args.pp, args.zero = choice["dp"], choice["tp"], choice["pp"], choice["zero"]
     args.microbatches, args.schedule = choice["microbatches"], choice["schedule"]
     args.cp, args.cp_kind, args.sp, args.cp_split = choice["cp"], choice["cp_kind"], choice["sp"], None
+    args.ep = choice["ep"]
     if world.rank == 0 and not args.json:
         print(f"auto: {planner.Layout(**{k: choice[k] for k in dataclasses.asdict(best.layout)})}"
               f" of {choice['candidates']} layouts, predicted {choice['step_ms']:.1f} ms/step, "
@@ -161,17 +173,19 @@ def model_config(args: argparse.Namespace, resumed: Checkpoint | None = None) ->
     if args.init_from:
         return hf_config(args.init_from, dtype=args.dtype)
     return GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                     n_embd=args.n_embd, dtype=args.dtype)
+                     n_embd=args.n_embd, dtype=args.dtype, n_expert=args.n_expert, expert_top_k=args.expert_top_k,
+                     capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef)
 
 
-MODEL_FLAGS = ("n_layer", "n_head", "n_embd", "block_size")
+MODEL_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_expert", "expert_top_k", "capacity_factor",
+               "aux_loss_coef")
 
 
 def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | None) -> GPTConfig:
     """Reject bad input before anything is built or communicated (every rank reaches the same verdict).
     Fills in ``args.dp`` when it was left out: the ranks that tp·pp leave, as Megatron-LM does."""
-    for name in ("steps", "batch_size", "microbatches", "block_size", "tp", "pp", "cp", "bucket_mb", "eval_batches",
-                 "log_interval"):
+    for name in ("steps", "batch_size", "microbatches", "block_size", "tp", "pp", "cp", "ep", "bucket_mb",
+                 "eval_batches", "log_interval"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("lr", "min_lr", "warmup", "grad_clip", "weight_decay", "eval_interval", "save_interval", "keep_last"):
@@ -215,8 +229,16 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} disagrees with the checkpoint "
                                  f"{resumed.path} ({name}={getattr(resumed.config, name)}): drop the flag to resume, "
                                  "or start a new run without --resume")
+    if args.n_expert < 0 or (args.n_expert and not 1 <= args.expert_top_k <= args.n_expert):
+        raise ValueError(f"--expert-top-k {args.expert_top_k} must be between 1 and --n-expert {args.n_expert}"
+                         if args.n_expert > 0 else f"--n-expert must be >= 0, got {args.n_expert}")
+    if args.init_from and args.n_expert and resumed is None:
+        raise ValueError("--init-from loads a dense Hugging Face GPT-2: it cannot be combined with --n-expert")
     cfg = model_config(args, resumed)
     check_tensor_parallel(cfg, args.tp, args.sp)
+    check_expert_parallel(cfg, args.ep, args.dp)
+    if cfg.n_expert:
+        check_mixture_of_experts(args)
     args.cp_split = args.cp_split or ("zigzag" if args.cp_kind == "ring" else "contiguous")
     if args.cp > 1:
         check_context_parallel(cfg, args.cp, args.tp, args.cp_kind, args.cp_split)
@@ -228,12 +250,24 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
     return cfg
 
 
+def check_mixture_of_experts(args: argparse.Namespace) -> None:
+    """What a mixture-of-experts run cannot be combined with (yet), said before anything starts."""
+    if args.out:
+        raise ValueError("--out writes Hugging Face GPT-2, which has no mixture-of-experts layout: use --save")
+    for flag, on in (("--pp", args.pp > 1), ("--cp", args.cp > 1), ("--sp", args.sp)):
+        if on:  # pp: the balancing loss sums every stage's layers; cp/sp: routing groups would be sequence pieces
+            raise ValueError(f"{flag} is not supported with --n-expert yet (use --dp/--ep/--tp/--zero)")
+    if args.ep > 1 and (args.local_sgd or args.compression != "none"):
+        raise ValueError("--ep reduces expert gradients over their own replicas: use it without --local-sgd and "
+                         "--compression")
+
+
 def check_memory(cfg: GPTConfig, args: argparse.Namespace, world_size: int) -> None:
     """Refuse a run whose estimated peak (the planner's model states + activations per rank, for the ranks on
     this machine) exceeds the memory available here, instead of letting the OOM killer end it mid-step."""
     itemsize = planner.ITEMSIZE[args.dtype]
-    layout = planner.Layout(args.dp, args.tp, args.pp, args.zero, args.microbatches, args.schedule, False, args.cp,
-                            args.cp_kind, args.sp)
+    layout = planner.Layout(args.dp, args.tp, args.pp, args.zero, args.microbatches, args.schedule, cp=args.cp,
+                            cp_kind=args.cp_kind, sp=args.sp, ep=args.ep)
     states, activations = planner.memory_per_rank(cfg, args.batch_size, layout, itemsize)
     per_rank = states * itemsize / 4 + activations  # the planner's 16Ψ counts 4-byte words
     # on the CPU the ranks on this machine share its memory; on GPUs each rank has its own device
@@ -255,6 +289,8 @@ def build_model(args: argparse.Namespace, cfg: GPTConfig, mesh: Mesh, resumed: C
             model.load_state_dict(resumed.params)
     if mesh.tp > 1:
         model = tensor_parallel(model, mesh.tp_comm, args.sp)
+    if mesh.ep > 1:
+        model = expert_parallel(model, mesh.ep_comm)
     return context_parallel(model, mesh.cp_comm, args.cp_kind, args.cp_split) if mesh.cp > 1 else model
 
 
@@ -263,31 +299,37 @@ def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoin
     moments = [resumed.exp_avg, resumed.exp_avg_sq]
     if mesh.tp > 1:
         moments = [shard_state_dict(m, model.config, mesh.tp, mesh.tp_rank) for m in moments]
+    if mesh.ep > 1:
+        moments = [shard_expert_state(m, mesh.ep, mesh.ep_rank, expert_names(model)) for m in moments]
     optimizer.import_state(*moments, {id(p): n for n, p in model.named_parameters()}, resumed.optimizer_step)
 
 
 def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any, model: GPT, mesh: Mesh) -> str:
     """Save parameters and AdamW state in this layout; the first replica of each (pp, tp) slice writes it."""
-    params = engine.gathered_state_dict()
-    moments = optimizer.export_state({id(p): n for n, p in model.named_parameters()})
-    state = {"param": params, **moments} if mesh.grad_comm.rank == 0 else None
+    state = {"param": engine.gathered_state_dict(), **optimizer.export_state({id(p): n for n, p in model.named_parameters()})}
+    if mesh.ep > 1:  # whole experts, from every ep rank's share
+        state = {kind: gather_expert_state(tensors, mesh.ep_comm, expert_names(model)) for kind, tensors in state.items()}
+    state = state if mesh.grad_comm.rank == 0 else None
     saved = save_checkpoint(args.save, step, state, mesh, model.config, args.zero, optimizer.step_count)
     if mesh.world.rank == 0:
         prune_checkpoints(args.save, args.keep_last)
     return saved
 
 
-def build_engine(model: GPT, comm: Communicator, args: argparse.Namespace) -> tuple[Any, Any]:
-    """(engine, optimizer) over the data-parallel group: DataParallel + AdamW, or ZeRO, which is both.
-    With --local-sgd the replicas do not synchronize gradients at all (LocalSGD averages them later)."""
+def build_engine(model: GPT, mesh: Mesh, args: argparse.Namespace) -> tuple[Any, Any]:
+    """(engine, optimizer) over the data-parallel group: DataParallel + AdamW, or ZeRO, which is both; expert
+    parameters reduce over their own replicas. With --local-sgd the replicas do not synchronize gradients at
+    all (LocalSGD averages them later)."""
+    comm, experts = mesh.grad_comm, mesh.expert_grad_comm
     if args.local_sgd:
         alone = comm.split(color=comm.rank, name="local")
         return DataParallel(model, alone), AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if args.zero:
-        engine = ZeRO(model, comm, args.zero, lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb)
+        engine = ZeRO(model, comm, args.zero, lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
+                      expert_comm=experts)
         return engine, engine
     compression = make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)
-    return (DataParallel(model, comm, args.bucket_mb, compression=compression),
+    return (DataParallel(model, comm, args.bucket_mb, compression=compression, expert_comm=experts),
             AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay))
 
 
@@ -333,11 +375,15 @@ def evaluate(engine: Any, pipeline: Pipeline, mesh: Mesh, batches: Batches, n_ba
     return mean_loss(losses, mesh)
 
 
-def group_sum(comm: Communicator):
-    """s -> Σ over the ranks of ``comm`` (identity for one rank): a gradient norm's squares across a split."""
-    if comm.size == 1:
-        return lambda s: s
-    return lambda s: comm.all_reduce(xp.asarray(s, dtype=xp.float64).reshape(1), label="grad_norm")[0]
+def group_sum(*comms: Communicator):
+    """s -> Σ over the ranks of each of ``comms`` in turn (skipping single ranks): a gradient norm's squares
+    across the axes that split the parameters (tp, pp, ep)."""
+    def total(s: Any) -> Any:
+        for comm in comms:
+            if comm.size > 1:
+                s = comm.all_reduce(xp.asarray(s, dtype=xp.float64).reshape(1), label="grad_norm")[0]
+        return s
+    return total
 
 
 def full_state_dict(engine: Any, model: GPT, mesh: Mesh) -> dict[str, np.ndarray]:
@@ -437,13 +483,18 @@ def format_step(record: dict[str, Any]) -> str:
                 comm += f", {record['comm_formula_bytes'] / record['comm_bytes']:.1f}× compressed"
         if tp_bytes:
             comm += f" | tp {tp_bytes / 1e6:.2f} MB"
-        cp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith("cp_"))
-        if cp_bytes:
-            comm += f" | cp {cp_bytes / 1e6:.2f} MB"
+        for axis in ("cp", "ep"):
+            axis_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith(axis + "_"))
+            if axis_bytes:
+                comm += f" | {axis} {axis_bytes / 1e6:.2f} MB"
         pp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith("pp_"))
         if pp_bytes:
             comm += f" | pp {pp_bytes / 1e6:.2f} MB, bubble {record['pipeline']['bubble']:.0%}"
         comm += f" | state {sum(record['model_state_bytes'].values()) / 1e6:.2f} MB"
+    if "experts" in record:
+        moe = record["experts"]
+        comm = (f" | dropped {moe['dropped_fraction']:.1%}, expert load {moe['expert_load_min']}–"
+                f"{moe['expert_load_max']}") + comm
     return (f"step {record['step']:>5}/{record['steps']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
             f"norm {record['grad_norm']:.3f} | {record['tokens_per_s']:>8,.0f} tok/s | {record['ms']:7.1f} ms | "
             f"{_duration(record['elapsed_s'])} elapsed, eta {_duration(record['eta_s'])}{comm}")
@@ -529,26 +580,28 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     set_kernels(args.kernels)
     block = cfg.block_size
     tokens, batches, val_batches, data_note = load_data(args, block)
-    mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp)
-    comms = list(dict.fromkeys([world, mesh.dp_comm, mesh.cp_comm, mesh.tp_comm, mesh.pp_comm, mesh.grad_comm]))
+    mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+    comms = list(dict.fromkeys([world, mesh.dp_comm, mesh.cp_comm, mesh.tp_comm, mesh.pp_comm, mesh.grad_comm,
+                                mesh.ep_comm, mesh.expert_grad_comm]))
     model = build_model(args, cfg, mesh, resumed)
     pipeline = Pipeline(model, mesh.pp_comm, args.schedule)
-    engine, optimizer = build_engine(model, mesh.grad_comm, args)
+    engine, optimizer = build_engine(model, mesh, args)
     local_sgd = LocalSGD(model, mesh.dp_comm, args.local_sgd, args.outer_lr, args.outer_momentum,
                          staleness=args.staleness) if args.local_sgd else None
     if resumed is not None:
         restore_optimizer(optimizer, model, mesh, resumed)
-    tp_sum, pp_sum = group_sum(mesh.tp_comm), group_sum(mesh.pp_comm)
+    split_sum = group_sum(mesh.tp_comm, mesh.pp_comm, mesh.ep_comm)
     m, lead, first_step = args.microbatches, world.rank == 0, resumed.step if resumed else 0
     progress = Progress(args, lead, first_step)
     norm_bytes = count_layer_norm_bytes(model)
-    layout = "".join(f", {k}={v}" for k, v in (("dp", mesh.dp), ("cp", mesh.cp), ("tp", mesh.tp), ("pp", mesh.pp))
-                     if v > 1)
+    layout = "".join(f", {k}={v}" for k, v in (("dp", mesh.dp), ("ep", mesh.ep), ("cp", mesh.cp), ("tp", mesh.tp),
+                                                ("pp", mesh.pp)) if v > 1)
     layout += (f" {args.cp_kind} {args.cp_split}" if mesh.cp > 1 else "") + (" sp" if args.sp else "")
     layout += f" {args.schedule}" if mesh.pp > 1 else ""
     layout += f" zero-{args.zero}" if args.zero else ""
+    experts = f" E={cfg.n_expert} top-{cfg.expert_top_k}" if cfg.n_expert else ""
     progress.say(f"minipar: GPT {cfg.num_parameters():,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} "
-                 f"T={block}), {len(tokens):,} tokens, batch {args.batch_size}×{block}, {args.dtype} on "
+                 f"T={block}{experts}), {len(tokens):,} tokens, batch {args.batch_size}×{block}, {args.dtype} on "
                  f"{args.device}{layout}")
     if resumed is not None:
         for skipped in resumed.skipped:
@@ -569,12 +622,14 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             norm_bytes["layer_norm"] = 0
             if mesh.cp > 1:
                 model.context_work.update(pairs=0, wait_s=0.0)
+            for layer in moe_layers(model):
+                layer.reset_tally()
             x, y = (context_slice(shard_rows(a, mesh.dp_rank, mesh.dp), mesh.cp_comm, args.cp_split) for a in batches(step))
             losses = pipeline.run(engine, x, y, m)
             with trace.span("sync gradients", "comm"):
                 engine.sync_gradients()
             with trace.span("optimizer", "optimizer"):
-                norm = optimizer.clip_grad_norm(args.grad_clip, lambda s: pp_sum(tp_sum(s)))
+                norm = optimizer.clip_grad_norm(args.grad_clip, split_sum)
                 optimizer.lr = cosine_lr(step, max_lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
                                          min_lr=args.min_lr)
                 optimizer.step()
@@ -587,6 +642,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                                  args.batch_size * block, norm_bytes)
             if mesh.cp > 1 and args.cp_kind == "ring":
                 record["context"] = context_report(model, mesh.cp_comm)
+            if cfg.n_expert:
+                record["experts"] = expert_report(model, mesh.grad_comm)
             records.append(record)
             progress.step(record)
             if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):

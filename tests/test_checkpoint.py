@@ -151,6 +151,6 @@ def test_latest_points_at_a_complete_step(saved_dp2_tp2):
     root = saved_dp2_tp2 / "c"
     assert open(root / "latest").read().strip() == "step_000010"
     manifest = json.load(open(root / "step_000010" / "manifest.json"))
-    assert manifest["layout"] == {"dp": 2, "cp": 1, "tp": 2, "pp": 1, "zero": 1}
+    assert manifest["layout"] == {"dp": 2, "ep": 1, "cp": 1, "tp": 2, "pp": 1, "zero": 1}
     assert sorted(f["file"] for f in manifest["files"]) == ["pp0-tp0.safetensors", "pp0-tp1.safetensors"]
     assert not [f for f in os.listdir(root / "step_000010") if ".tmp-" in f]

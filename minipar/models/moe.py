@@ -61,7 +61,11 @@ class MoEMLP(Module):
         self.c_proj = ExpertLinear(E, 4 * C, C, dt)
         self.n_expert, self.top_k, self.capacity_factor = E, top_k, capacity_factor
         self.aux_loss: Tensor | None = None
-        self.stats: dict[str, float] = {}
+        self.stats: dict[str, float] = {}  # of the last forward
+        self.reset_tally()  # self.tally: summed over forwards since: assignments, kept, load (E,)
+
+    def reset_tally(self) -> None:
+        self.tally: dict[str, Any] = {"assignments": 0, "kept": 0, "load": np.zeros(self.n_expert, np.int64)}
 
     def capacity(self, n_tokens: int) -> int:
         return max(1, math.ceil(self.capacity_factor * self.top_k * n_tokens / self.n_expert))
@@ -77,23 +81,35 @@ class MoEMLP(Module):
         gates = probs[to_device(rows), to_device(chosen)]  # (N, k)
         if k > 1:
             gates = gates / gates.sum(axis=-1, keepdims=True)
-        # dispatch: slot s of expert e reads token tokens[e, s] (N: a zero row for an empty slot)
+        # dispatch: slot s of expert e reads token tokens[e, s] (N: a zero row for an empty slot); an expert's
+        # kept assignments fill its slots 0 … load[e] − 1
         tokens = np.full(E * cap, N, np.int64)
         kept = slot >= 0
         tokens[slot[kept]] = rows[kept]
+        load = np.bincount(slot[kept] // cap, minlength=E)
         padded = ops.concat([flat, Tensor(xp.zeros((1, C), dtype=flat.dtype))], axis=0)
-        expert_in = padded[to_device(tokens.reshape(E, cap))]  # (E, cap, C)
-        expert_out = self.c_proj(ops.gelu(self.c_fc(expert_in)))  # (E, cap, C)
+        expert_out = self.run_experts(padded, tokens.reshape(E, cap), load)  # (E, cap, C)
         # combine: token n's j-th choice reads its slot (E·cap: a zero row for a dropped assignment)
         outputs = ops.concat([expert_out.reshape(E * cap, C), Tensor(xp.zeros((1, C), dtype=flat.dtype))], axis=0)
         picked = outputs[to_device(np.where(kept, slot, E * cap))]  # (N, k, C)
         y = (picked * gates.reshape(N, k, 1)).sum(axis=1)
         share = to_device(assigned / (k * N), dtype=probs.dtype)
         self.aux_loss = (probs.mean(axis=0) * Tensor(share)).sum() * float(E)
-        load = np.bincount(slot[kept] // cap, minlength=E)
         self.stats = {"dropped_fraction": 1.0 - kept.sum() / (N * k), "expert_load_min": int(load.min()),
                       "expert_load_max": int(load.max())}
+        self.tally["assignments"] += N * k
+        self.tally["kept"] += int(kept.sum())
+        self.tally["load"] += load
         return y.reshape(B, T, C)
+
+    def run_experts(self, padded: Tensor, tokens: np.ndarray, load: np.ndarray) -> Tensor:
+        """Every expert on its slots: (E, capacity, C) outputs for the (E, capacity) token indices into ``padded``
+        (its last row is zeros). Expert parallelism replaces this with a dispatch to the experts' owners."""
+        return self.experts(padded[to_device(tokens)])
+
+    def experts(self, x: Tensor) -> Tensor:
+        """The expert MLPs this module holds, on (experts, rows, C)."""
+        return self.c_proj(ops.gelu(self.c_fc(x)))
 
 
 class ExpertLinear(Module):
@@ -102,6 +118,7 @@ class ExpertLinear(Module):
     def __init__(self, n_expert: int, n_in: int, n_out: int, dtype: Any):
         self.weight = Parameter(xp.zeros((n_expert, n_in, n_out), dtype=dtype))
         self.bias = Parameter(xp.zeros((n_expert, n_out), dtype=dtype))
+        self.weight.expert = self.bias.expert = True  # split over expert-parallel ranks along the first axis
 
     def forward(self, x: Tensor) -> Tensor:
         return x @ self.weight + self.bias.reshape(self.bias.shape[0], 1, self.bias.shape[1])

@@ -25,7 +25,8 @@ logits: it all-reduces the row maxima, the sums of exponentials and the target l
 all-reduces of B·T numbers); its backward, softmax − onehot on the local slice, needs none. Padded
 vocabulary columns are masked to −∞, so the loss is the unpadded one.
 
-Parameters that every tp rank holds whole (layer norms, wpe, row-parallel biases) receive
+Parameters that every tp rank holds whole (layer norms, wpe, row-parallel biases, mixture-of-experts
+MLPs, which run whole on the replicated tokens) receive
 identical gradients on every rank; ``norm_scale`` marks them so a global gradient norm counts
 them once.
 
@@ -270,7 +271,9 @@ def shard_state_dict(full: dict[str, np.ndarray], cfg: Any, tp: int, rank: int) 
     start, per_rank, valid = _vocab_rows(cfg, tp, rank)
     out = {}
     for name, value in full.items():
-        if name == "transformer.wte.weight":
+        if cfg.n_expert and ".mlp." in name:        # mixture-of-experts MLPs: whole on every tp rank
+            out[name] = value
+        elif name == "transformer.wte.weight":
             table = np.zeros((per_rank, C), value.dtype)
             table[:valid] = value[start:start + valid]
             out[name] = table
@@ -298,7 +301,9 @@ def merge_state_dicts(shards: list[dict[str, np.ndarray]], cfg: Any) -> dict[str
     out = {}
     for name, value in shards[0].items():
         parts = [s[name] for s in shards]
-        if name == "transformer.wte.weight":
+        if cfg.n_expert and ".mlp." in name:
+            out[name] = value
+        elif name == "transformer.wte.weight":
             out[name] = np.concatenate(parts)[:cfg.vocab_size]
         elif name.endswith("attn.c_attn.weight"):
             out[name] = np.concatenate([p.reshape(C, 3, H // tp, D) for p in parts], axis=2).reshape(C, 3 * C)
@@ -330,8 +335,9 @@ def tensor_parallel(model: GPT, comm: Communicator, sequence_parallel: bool = Fa
         block.attn.c_attn = ColumnParallelLinear(dev(p + "attn.c_attn.weight"), dev(p + "attn.c_attn.bias"), comm, sp)
         block.attn.c_proj = RowParallelLinear(dev(p + "attn.c_proj.weight"), dev(p + "attn.c_proj.bias"), comm, sp)
         block.attn.n_head = cfg.n_head // tp
-        block.mlp.c_fc = ColumnParallelLinear(dev(p + "mlp.c_fc.weight"), dev(p + "mlp.c_fc.bias"), comm, sp)
-        block.mlp.c_proj = RowParallelLinear(dev(p + "mlp.c_proj.weight"), dev(p + "mlp.c_proj.bias"), comm, sp)
+        if not cfg.n_expert:  # a mixture-of-experts MLP runs whole on every tp rank (expert_parallel.py)
+            block.mlp.c_fc = ColumnParallelLinear(dev(p + "mlp.c_fc.weight"), dev(p + "mlp.c_fc.bias"), comm, sp)
+            block.mlp.c_proj = RowParallelLinear(dev(p + "mlp.c_proj.weight"), dev(p + "mlp.c_proj.bias"), comm, sp)
         if sp:
             block.ln_1 = SequenceParallelLayerNorm(block.ln_1.weight, block.ln_1.bias, block.ln_1.eps, comm)
             block.ln_2 = SequenceParallelLayerNorm(block.ln_2.weight, block.ln_2.bias, block.ln_2.eps, comm)

@@ -1,0 +1,188 @@
+"""Expert parallelism (GShard, DeepSpeed-MoE, Megatron-core): the E experts of every MoE layer are
+split over the ep ranks of an expert-parallel group; tokens travel to their experts and back.
+
+The ep group is carved out of the data-parallel ranks (mesh.py): each of its ranks trains on its
+own rows of the batch, holds experts [r·E/ep, (r+1)·E/ep) and routes its own tokens exactly as
+the single-process MoE layer does (models/moe.py: top-k, capacity per expert, priority rule).
+Its kept assignments fill slots 0 … load[e] − 1 of each expert e. One MoE layer, on rank r:
+
+    1. counts    all-to-all of E integers: rank r tells rank d how many rows it sends to each
+                 of d's E/ep experts (pairwise, (ep−1)·E/ep·8 bytes sent)
+    2. dispatch  all-to-all-v of the kept rows, ordered (owner, expert, slot):
+                 R_out·C·itemsize bytes sent, R_out = kept rows for experts on other ranks
+    3. compute   the local experts as one batched matmul on (E/ep, W, C), W the most rows any
+                 local expert received; expert e takes source s's rows in source order
+    4. combine   the outputs travel back by the reverse all-to-all-v: R_in·C·itemsize bytes,
+                 R_in = rows this rank received from others; then they sit in the same
+                 (E, capacity, C) slots the single-process layer fills
+    backward     the conjugate pair, each exchange reversed: the outputs' gradients go to the owners
+                 (R_out rows), the inputs' gradients back to the sources (R_in rows)
+
+so a layer sends (ep−1)·E/ep·8 + 2·(R_out + R_in)·C·itemsize bytes per microbatch and rank
+(:func:`bytes_per_layer`). Every row is computed by the same expert weights on the same values
+as in the single-process layer — the row-wise matmuls do not care which other rows share the
+batch — so outputs, the balancing loss and all gradients are those of single-process training
+(with the same token groups: one rank's microbatch; train.py's reference runs dp·m microbatches).
+
+Gradients: an expert's weight gradient on its owner sums the ep ranks' token contributions; the
+dense parameters are replicated over all dp ranks and the experts only over the dp/ep ranks with
+the same ep rank (mesh.expert_grad_comm), so data_parallel.replica_groups averages each where it
+lives. For the global gradient norm (summed over ep ranks like over tp ranks) a dense parameter's
+squares count 1/ep on each ep rank (``norm_scale``).
+
+Under tensor parallelism each tp rank runs the MoE layers whole on the same (replicated) tokens and
+exchanges them with the ranks of its own tp coordinate.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from minipar import ops
+from minipar.autograd import Context, Function, Tensor
+from minipar.backend import to_device, xp
+from minipar.comm import Communicator
+from minipar.models.moe import MoEMLP
+from minipar.nn import Module, Parameter
+
+
+def check_expert_parallel(cfg: Any, ep: int, dp: int) -> None:
+    """Raise before any communication if ``ep`` cannot split this model's experts over the data-parallel ranks."""
+    if ep < 1:
+        raise ValueError(f"--ep must be positive, got {ep}")
+    if ep == 1:
+        return
+    if not cfg.n_expert:
+        raise ValueError("--ep splits the experts of a mixture-of-experts model: pass --n-expert too")
+    if cfg.n_expert % ep:
+        raise ValueError(f"--ep {ep} must divide --n-expert {cfg.n_expert}: every rank holds n_expert/ep experts")
+    if dp % ep:
+        raise ValueError(f"--ep {ep} must divide --dp {dp}: expert parallelism is carved out of the data-parallel ranks")
+
+
+class AllToAllRows(Function):
+    """Rows of ``x`` (R, C) to the ranks of ``comm``: ``send[j]`` rows to rank j, ``recv[i]`` rows from rank i.
+    Backward sends the gradient rows back the way they came (the same exchange with the counts swapped)."""
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, send: list[int], recv: list[int], comm: Communicator) -> Any:
+        ctx.send, ctx.recv, ctx.comm, width = send, recv, comm, x.shape[1]
+        out = comm.all_to_all_v(xp.ascontiguousarray(x), [n * width for n in send], [n * width for n in recv],
+                                label="ep_forward")
+        return out.reshape(-1, width)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        width = g.shape[1]
+        back = ctx.comm.all_to_all_v(xp.ascontiguousarray(g), [n * width for n in ctx.recv],
+                                     [n * width for n in ctx.send], label="ep_backward")
+        return back.reshape(-1, width), None, None, None
+
+
+def dispatch_to_owners(mlp: MoEMLP, comm: Communicator, padded: Tensor, tokens: np.ndarray, load: np.ndarray) -> Tensor:
+    """MoEMLP.run_experts across the ep ranks: (E, capacity, C) outputs, computed by the experts' owners."""
+    E, cap = tokens.shape
+    ep, local = comm.size, E // comm.size
+    C = padded.shape[1]
+    # 1. counts: counts[s, e] rows from source s for local expert e
+    counts = comm.all_to_all(np.ascontiguousarray(load, np.int64), algorithm="pairwise", label="ep_counts")
+    counts = counts.reshape(ep, local)
+    send = load.reshape(ep, local).sum(axis=1).tolist()
+    recv = counts.sum(axis=1).tolist()
+    # 2. dispatch the kept rows in (owner, expert, slot) order
+    order = np.concatenate([tokens[e, :load[e]] for e in range(E)])
+    arrived = AllToAllRows.apply(padded[to_device(order)], send, recv, comm)  # (Σ recv, C), by source, expert, slot
+    # 3. local experts on (local, W, C): expert e's rows from source s at [start[e, s], start[e, s] + counts[s, e])
+    per_expert = counts.sum(axis=0)
+    width = int(per_expert.max()) if local else 0
+    start = np.cumsum(np.concatenate([np.zeros((local, 1), np.int64), counts.T[:, :-1]], axis=1), axis=1)
+    source_offset = np.cumsum([0, *counts.sum(axis=1)])[:-1]                       # where source s's rows begin
+    expert_offset = np.cumsum(np.concatenate([np.zeros((ep, 1), np.int64), counts[:, :-1]], axis=1), axis=1)
+    gather = np.full(local * width, counts.sum(), np.int64)                          # default: a zero row
+    back = np.empty(counts.sum(), np.int64)
+    for s in range(ep):
+        for e in range(local):
+            n = counts[s, e]
+            rows = source_offset[s] + expert_offset[s, e] + np.arange(n)
+            places = e * width + start[e, s] + np.arange(n)
+            gather[places], back[rows] = rows, places
+    zero = Tensor(xp.zeros((1, C), dtype=padded.dtype))
+    expert_in = ops.concat([arrived, zero], axis=0)[to_device(gather)].reshape(local, width, C)
+    expert_out = mlp.experts(expert_in).reshape(local * width, C)
+    # 4. combine: the outputs back to their sources, then into their (E, capacity) slots
+    returned = AllToAllRows.apply(expert_out[to_device(back)], recv, send, comm)  # (Σ send, C), in `order`'s order
+    slots = np.full(E * cap, len(order), np.int64)
+    slots[np.concatenate([e * cap + np.arange(load[e]) for e in range(E)])] = np.arange(len(order))
+    me = comm.rank
+    mlp.tally["rows_out"] = mlp.tally.get("rows_out", 0) + sum(send) - send[me]
+    mlp.tally["rows_in"] = mlp.tally.get("rows_in", 0) + sum(recv) - recv[me]
+    return ops.concat([returned, zero], axis=0)[to_device(slots)].reshape(E, cap, C)
+
+
+def bytes_per_layer(rows_out: int, rows_in: int, n_expert: int, ep: int, width: int, itemsize: int) -> dict[str, int]:
+    """What one MoE layer's exchanges send from one rank per microbatch, by label (the module docstring)."""
+    return {"ep_counts": (ep - 1) * (n_expert // ep) * 8, "ep_forward": (rows_out + rows_in) * width * itemsize,
+            "ep_backward": (rows_in + rows_out) * width * itemsize}
+
+
+def moe_layers(model: Module) -> list[MoEMLP]:
+    return [m for m in model.modules() if isinstance(m, MoEMLP)]
+
+
+def expert_report(model: Module, comm: Communicator) -> dict[str, Any]:
+    """This step's routing over the data-parallel replicas ``comm`` (one all-reduce of 2 + L·E numbers): the share
+    of assignments dropped for capacity, and the fewest / most tokens any expert of any layer computed."""
+    layers = moe_layers(model)
+    local = np.concatenate([[sum(m.tally["assignments"] for m in layers), sum(m.tally["kept"] for m in layers)],
+                            *[m.tally["load"] for m in layers]]).astype(np.float64)
+    total = comm.all_reduce(local, label="moe_report") if comm.size > 1 else local
+    load = total[2:]
+    report = {"dropped_fraction": 1.0 - total[1] / max(total[0], 1.0), "expert_load_min": int(load.min()),
+              "expert_load_max": int(load.max())}
+    if any("rows_out" in m.tally for m in layers):  # this rank's rows to / from other ep ranks (bytes_per_layer)
+        report.update(rows_out=sum(m.tally["rows_out"] for m in layers), rows_in=sum(m.tally["rows_in"] for m in layers))
+    return report
+
+
+def shard_expert_state(full: dict[str, np.ndarray], ep: int, rank: int, expert_names: set[str]) -> dict[str, np.ndarray]:
+    """Rank ``rank``'s experts (a slice along the first axis) of every expert tensor in a full state."""
+    return {n: np.ascontiguousarray(np.array_split(v, ep)[rank]) if n in expert_names else v for n, v in full.items()}
+
+
+def gather_expert_state(local: dict[str, Any], comm: Communicator, expert_names: set[str]) -> dict[str, Any]:
+    """The full expert tensors from every ep rank's slice (one all-gather each, in name order); the rest as is."""
+    out = dict(local)
+    for name in sorted(n for n in local if n in expert_names):
+        value = np.ascontiguousarray(local[name])
+        out[name] = comm.all_gather(value.reshape(-1), label="checkpoint").reshape(comm.size * value.shape[0],
+                                                                                   *value.shape[1:])
+    return out
+
+
+def expert_names(model: Module) -> set[str]:
+    return {n for n, p in model.named_parameters() if getattr(p, "expert", False)}
+
+
+def expert_parallel(model: Module, comm: Communicator) -> Module:
+    """Keep only this rank's E/ep experts of every MoE layer, in place, and route tokens to their owners over
+    ``comm`` (the ep group). Every rank must hold the same full model (same seed or checkpoint)."""
+    ep, rank = comm.size, comm.rank
+    names = expert_names(model)
+    local = shard_expert_state(model.state_dict(), ep, rank, names)
+    named = dict(model.named_parameters())
+    for mlp in moe_layers(model):
+        for linear in (mlp.c_fc, mlp.c_proj):
+            for attr in ("weight", "bias"):
+                name = next(n for n, p in named.items() if p is getattr(linear, attr))
+                param = Parameter(to_device(local[name], dtype=getattr(linear, attr).dtype))
+                param.expert = True
+                if hasattr(getattr(linear, attr), "norm_scale"):
+                    param.norm_scale = getattr(linear, attr).norm_scale
+                setattr(linear, attr, param)
+        mlp.run_experts = lambda padded, tokens, load, mlp=mlp: dispatch_to_owners(mlp, comm, padded, tokens, load)
+    for p in model.parameters():  # replicated over the ep ranks: count 1/ep of it on each in a global norm
+        if not getattr(p, "expert", False):
+            p.norm_scale = getattr(p, "norm_scale", 1.0) / ep
+    model.ep_comm = comm
+    return model

@@ -1,0 +1,186 @@
+"""Expert parallelism: the mesh's ep groups; one MoE layer across ep ranks against the single-process
+layer (outputs, balancing loss, gradients, the rows and bytes exchanged); training with --ep equal to
+single-process training (float64, 20 steps, losses and final parameters, with and without dropped
+tokens, with --tp and --zero); checkpoints across ep; bad layouts refused before communicating."""
+import sys
+
+import numpy as np
+import pytest
+
+from minipar.checkpoint import load_checkpoint
+from minipar.testing import assert_same_training, run_command, run_ranks, train_cli
+
+L, C, E, T, B = 2, 16, 4, 8, 8
+
+
+def model(capacity):
+    return ["--n-layer", str(L), "--n-head", "2", "--n-embd", str(C), "--block-size", str(T), "--batch-size", str(B),
+            "--n-expert", str(E), "--capacity-factor", str(capacity), "--steps", "20", "--eval-interval", "0",
+            "--json", "--lr", "3e-3", "--warmup", "5", "--dtype", "float64"]
+
+
+def train(args, ranks, tmp_path, name):
+    """(records, final parameters) of a run, the parameters read back from its --save checkpoint."""
+    save = str(tmp_path / name)
+    records, _ = train_cli([*args, "--save", save], ranks)
+    return records, load_checkpoint(save).params
+
+
+# ------------------------------------------------------------------------------------- mesh
+
+def _mesh_groups(dp, ep, cp, tp):
+    from minipar.comm import Communicator
+    from minipar.parallel.mesh import Mesh
+
+    world = Communicator()
+    mesh = Mesh(world, dp=dp, tp=tp, cp=cp, ep=ep)
+    members = {name: sorted(int(r) for r in getattr(mesh, name).all_gather(np.array([world.rank])))
+               for name in ("ep_comm", "expert_grad_comm", "grad_comm")}
+    pp, dp_rank, cp_rank, tp_rank = mesh.coordinates(world.rank)
+    rank_of = lambda d, c: (d * cp + c) * tp + tp_rank  # noqa: E731
+    first = dp_rank - dp_rank % ep
+    assert members["ep_comm"] == sorted(rank_of(d, cp_rank) for d in range(first, first + ep))
+    assert members["expert_grad_comm"] == sorted(rank_of(d, c) for d in range(dp_rank % ep, dp, ep) for c in range(cp))
+    assert members["grad_comm"] == sorted(rank_of(d, c) for d in range(dp) for c in range(cp))
+    assert mesh.ep_comm.rank == dp_rank % ep
+
+
+@pytest.mark.parametrize("dp,ep,cp,tp", [(4, 2, 1, 2), (4, 4, 2, 1), (6, 3, 1, 1)])
+def test_mesh_ep_groups(dp, ep, cp, tp):
+    run_ranks(dp * cp * tp, _mesh_groups, dp, ep, cp, tp)
+
+
+# ------------------------------------------------------------------------------- one layer
+
+def _layer_across_ranks(n_expert, top_k, factor):
+    """Every rank routes its own tokens; the ep-parallel layer must give what the full layer gives on them."""
+    from minipar.autograd import Tensor
+    from minipar.comm import Communicator
+    from minipar.models.moe import MoEMLP, route
+    from minipar.parallel.expert_parallel import bytes_per_layer, expert_parallel
+
+    comm = Communicator()
+    ep, rank, width = comm.size, comm.rank, 6
+    rng = np.random.default_rng(0)
+    values = [rng.standard_normal(p.shape) * 0.5
+              for p in MoEMLP(width, n_expert, top_k, factor, "float64").parameters()]
+    inputs = [rng.standard_normal((2, 5, width)) for _ in range(ep)]
+    upstream = [rng.standard_normal((2, 5, width)) for _ in range(ep)]
+
+    def layer():
+        moe = MoEMLP(width, n_expert, top_k, factor, "float64")
+        for p, v in zip(moe.parameters(), values):
+            p.data[...] = v
+        return moe
+
+    # the reference: the full layer on every rank's tokens (loss Σ_r <y_r, u_r> + aux_r)
+    reference, outputs, loads = layer(), [], []
+    for x, u in zip(inputs, upstream):
+        y = reference(Tensor(x, requires_grad=True))
+        ((y * Tensor(u)).sum() + reference.aux_loss).backward()
+        outputs.append(y.data)
+        probs = x.reshape(-1, width) @ values[0]
+        probs = np.exp(probs - probs.max(1, keepdims=True))
+        _, slot, _ = route(probs / probs.sum(1, keepdims=True), top_k, reference.capacity(10))
+        loads.append(np.bincount(slot[slot >= 0] // reference.capacity(10), minlength=n_expert))
+    parallel = layer()
+    expert_parallel(parallel, comm)
+    x = Tensor(inputs[rank], requires_grad=True)
+    y = parallel(x)
+    np.testing.assert_allclose(y.data, outputs[rank], rtol=1e-12, atol=1e-14)
+    ((y * Tensor(upstream[rank])).sum() + parallel.aux_loss).backward()
+    mine = slice(rank * n_expert // ep, (rank + 1) * n_expert // ep)
+    for name, p in parallel.named_parameters():
+        full = dict(reference.named_parameters())[name].grad
+        if getattr(p, "expert", False):  # the owner's gradient sums every rank's tokens' contributions
+            np.testing.assert_allclose(p.grad, full[mine], rtol=1e-10, atol=1e-13, err_msg=name)
+    # rows and bytes: to other ranks' experts, and from other ranks to mine
+    owner = np.repeat(np.arange(ep), n_expert // ep)
+    rows_out = int(loads[rank][owner != rank].sum())
+    rows_in = int(sum(loads[s][mine].sum() for s in range(ep) if s != rank))
+    assert (parallel.tally["rows_out"], parallel.tally["rows_in"]) == (rows_out, rows_in)
+    expected = bytes_per_layer(rows_out, rows_in, n_expert, ep, width, 8)
+    assert {k: comm.stats[k].bytes for k in expected} == expected
+
+
+@pytest.mark.parametrize("ep,n_expert,top_k,factor", [(2, 4, 2, 4.0), (2, 4, 2, 0.5), (3, 6, 1, 1.0), (4, 4, 3, 0.75)])
+def test_layer_equals_the_full_layer(ep, n_expert, top_k, factor):
+    run_ranks(ep, _layer_across_ranks, n_expert, top_k, factor)
+
+
+# ------------------------------------------------------------------------------- training
+
+@pytest.fixture(scope="module")
+def singles(tmp_path_factory):
+    """Single-process references, routing the same token groups as dp ranks do: --microbatches dp."""
+    cache = {}
+
+    def get(capacity, dp):
+        if (capacity, dp) not in cache:
+            cache[capacity, dp] = train([*model(capacity), "--microbatches", str(dp)], 1,
+                                        tmp_path_factory.mktemp("single"), "save")
+        return cache[capacity, dp]
+    return get
+
+
+CASES = ([(capacity, ep, dp, []) for capacity in (4.0, 0.5) for ep, dp in ((2, 2), (2, 4), (4, 4), (4, 8))]
+         + [(0.5, ep, dp, extra) for ep, dp, extra in ((2, 2, ["--tp", "2"]), (2, 4, ["--zero", "1"]),
+                                                        (2, 4, ["--zero", "2"]), (2, 2, ["--zero", "3"]),
+                                                        (2, 2, ["--zero", "3", "--tp", "2"]))])
+
+
+@pytest.mark.parametrize("capacity,ep,dp,extra", CASES)
+def test_matches_single_process(tmp_path, singles, capacity, ep, dp, extra):
+    """capacity 4: nothing drops; 0.5: tokens drop (identically in both runs)."""
+    tp = int(extra[extra.index("--tp") + 1]) if "--tp" in extra else 1
+    result = train([*model(capacity), "--dp", str(dp), "--ep", str(ep), *extra], dp * tp, tmp_path, "ep")
+    reference = singles(capacity, dp)
+    assert_same_training(result, reference)
+    for record, ref in zip(result[0], reference[0]):
+        moe = record["experts"]
+        assert moe["dropped_fraction"] == ref["experts"]["dropped_fraction"]
+        assert (moe["dropped_fraction"] > 0) == (capacity < 1)
+        counted = record["comm_bytes_by_op"]
+        assert counted["ep_counts"] == L * (ep - 1) * (E // ep) * 8
+        assert counted["ep_forward"] == counted["ep_backward"] == (moe["rows_out"] + moe["rows_in"]) * C * 8
+        assert moe["rows_out"] > 0 and moe["rows_in"] > 0
+
+
+def test_checkpoints_reshard_across_ep(tmp_path, singles):
+    """Saved at step 10 with ep 2 (dp 2), resumed with ep 1 (dp 2) and on one process: the same trajectory."""
+    save = str(tmp_path / "save")
+    train_cli([*model(0.5), "--ep", "2", "--save", save, "--save-interval", "10"], 2)
+    reference = singles(0.5, 2)
+    expected = [{"loss": r["loss"]} for r in reference[0][10:]]
+    for ranks, flags in ((2, ["--ep", "1"]), (1, ["--microbatches", "2"])):
+        records, params = train([*model(0.5), *flags, "--resume", f"{save}/step_000010"], ranks, tmp_path, f"r{ranks}")
+        assert [r["step"] for r in records] == list(range(11, 21))
+        assert_same_training(([{"loss": r["loss"]} for r in records], params), (expected, reference[1]))
+    assert load_checkpoint(save).layout_name == "dp2·ep2·tp1·pp1"
+
+
+def test_progress_line_reports_drops_and_expert_load():
+    command = [sys.executable, "-m", "minipar", "train", *[a for a in model(0.5) if a != "--json"], "--steps", "2",
+               "--ep", "2"]
+    out = run_command(2, command, timeout=60)
+    assert "| dropped " in out and "expert load " in out and "| ep " in out and "ep=2" in out
+
+
+@pytest.mark.parametrize("ranks,args,message", [
+    (2, ["--n-expert", "3", "--ep", "2"], "--ep 2 must divide --n-expert 3"),
+    (2, ["--n-expert", "4", "--ep", "4"], "--ep 4 must divide --dp 2"),
+    (4, ["--n-expert", "4", "--dp", "2", "--tp", "2", "--ep", "4"], "--ep 4 must divide --dp 2"),
+    (3, ["--n-expert", "4", "--ep", "2"], "--ep 2 must divide --dp 3"),
+    (1, ["--n-expert", "2", "--expert-top-k", "3"], "--expert-top-k 3 must be between 1 and --n-expert 2"),
+    (2, ["--ep", "2"], "--ep splits the experts of a mixture-of-experts model: pass --n-expert"),
+    (2, ["--n-expert", "4", "--pp", "2"], "--pp is not supported with --n-expert yet"),
+    (1, ["--n-expert", "4", "--out", "x"], "--out writes Hugging Face GPT-2"),
+    (2, ["--n-expert", "4", "--ep", "2", "--compression", "topk"], "use it without --local-sgd and --compression"),
+    (1, ["--ep", "0"], "--ep must be positive"),
+])
+def test_bad_expert_layouts(ranks, args, message):
+    base = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "8", "--batch-size", "12"]
+    command = [sys.executable, "-m", "minipar", "train", *base, *args]
+    with pytest.raises(AssertionError) as err:
+        run_command(ranks, command, timeout=60)
+    assert str(err.value).count(message) == 1 and "exit 2" in str(err.value)
