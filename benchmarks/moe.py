@@ -1,0 +1,64 @@
+"""Mixture of experts on this machine: step time, bytes per step and model state per rank, dense GPT against
+MoE models with the same active parameters per token (top-1 experts, each as wide as the dense MLP), over
+data and expert parallelism.
+
+    python benchmarks/moe.py                       # 4 ranks: dense dp4; E = 4 and 8 with ep = 1, 2, 4
+    python benchmarks/moe.py --ranks 2 --steps 8
+
+Each row is one ``python -m minipar train --json`` run under ``mpiexec -n RANKS`` (GPT L=2 H=4 C=128 T=64,
+batch 16, float32, capacity factor 1.25); figures are medians over the steps after the first. "ep MB" counts
+the token exchanges (counts, dispatch, combine, forward and backward), "dp MB" the gradient all-reduces
+(dense over all ranks, experts over the ranks that hold the same ones), "state MB" the parameters,
+gradients and Adam moments one rank holds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from minipar.models.gpt import GPTConfig
+from minipar.testing import RANK_ENV, mpiexec
+
+L, H, C, T, B = 2, 4, 128, 64, 16
+MODEL = ["--n-layer", str(L), "--n-head", str(H), "--n-embd", str(C), "--block-size", str(T), "--batch-size", str(B),
+         "--eval-interval", "0", "--json", "--warmup", "1", "--expert-top-k", "1"]
+
+
+def run(ranks: int, n_expert: int, ep: int, steps: int) -> list[dict]:
+    command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "minipar", "train", *MODEL, "--steps", str(steps),
+               "--n-expert", str(n_expert), "--ep", str(ep)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**os.environ, **RANK_ENV})
+    if out.returncode:
+        raise SystemExit(f"{' '.join(command)} failed:\n{out.stderr[-2000:]}")
+    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")][1:]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--experts", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+    print(f"{'model':<22}{'params':>10}{'active/token':>13}{'step ms':>9}{'ep MB':>8}{'dp MB':>8}{'state MB':>10}"
+          f"{'dropped':>9}")
+    configs = [(0, 1)] + [(E, ep) for E in args.experts for ep in (1, 2, 4, 8)
+                          if ep <= args.ranks and args.ranks % ep == 0 and E % ep == 0]
+    for E, ep in configs:
+        records = run(args.ranks, E, ep, args.steps)
+        cfg = GPTConfig(block_size=T, n_layer=L, n_head=H, n_embd=C, n_expert=E, expert_top_k=1)
+        active = cfg.num_parameters() - (L * (E - 1) * (8 * C * C + 5 * C) if E else 0)
+        last = records[-1]
+        ep_bytes = sum(v for k, v in last["comm_bytes_by_op"].items() if k.startswith("ep_"))
+        label = f"dense, dp{args.ranks}" if not E else f"E={E} top-1, dp{args.ranks} ep{ep}"
+        dropped = f"{last['experts']['dropped_fraction']:.1%}" if E else "-"
+        print(f"{label:<22}{cfg.num_parameters() / 1e6:>9.2f}M{active / 1e6:>12.2f}M"
+              f"{statistics.median(r['ms'] for r in records):>9.1f}{ep_bytes / 1e6:>8.2f}{last['comm_bytes'] / 1e6:>8.2f}"
+              f"{sum(last['model_state_bytes'].values()) / 1e6:>10.2f}{dropped:>9}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
