@@ -12,13 +12,9 @@ spent waiting for K/V blocks that the attention of the block in hand did not hid
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 
-from minipar.testing import RANK_ENV, mpiexec
+from minipar.testing import train_cli
 
 MODEL = ["--n-layer", "2", "--n-head", "8", "--n-embd", "64", "--batch-size", "4", "--eval-interval", "0", "--json",
          "--warmup", "1"]
@@ -27,13 +23,11 @@ CONFIGS = [(1, None, None), (2, "ring", "zigzag"), (2, "ring", "contiguous"), (2
 
 
 def run(cp: int, kind: str | None, split: str | None, T: int, steps: int) -> list[dict]:
-    command = [sys.executable, "-m", "minipar", "train", *MODEL, "--block-size", str(T), "--steps", str(steps)]
+    """The step records after the first of one run."""
+    args = [*MODEL, "--block-size", str(T), "--steps", str(steps)]
     if cp > 1:
-        command = [mpiexec(), "-n", str(cp), *command, "--cp", str(cp), "--cp-kind", kind, "--cp-split", split]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**os.environ, **RANK_ENV})
-    if out.returncode:
-        raise SystemExit(f"{' '.join(command)} failed:\n{out.stderr[-2000:]}")
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")][1:]
+        args += ["--cp", str(cp), "--cp-kind", kind, "--cp-split", split]
+    return train_cli(args, cp, timeout=900)[0][1:]
 
 
 def main() -> None:

@@ -14,14 +14,10 @@ gradients and Adam moments one rank holds.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
-import sys
 
 from minipar.models.gpt import GPTConfig
-from minipar.testing import RANK_ENV, mpiexec
+from minipar.testing import train_cli
 
 L, H, C, T, B = 2, 4, 128, 64, 16
 MODEL = ["--n-layer", str(L), "--n-head", str(H), "--n-embd", str(C), "--block-size", str(T), "--batch-size", str(B),
@@ -29,12 +25,9 @@ MODEL = ["--n-layer", str(L), "--n-head", str(H), "--n-embd", str(C), "--block-s
 
 
 def run(ranks: int, n_expert: int, ep: int, steps: int) -> list[dict]:
-    command = [mpiexec(), "-n", str(ranks), sys.executable, "-m", "minipar", "train", *MODEL, "--steps", str(steps),
-               "--n-expert", str(n_expert), "--ep", str(ep)]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=900, env={**os.environ, **RANK_ENV})
-    if out.returncode:
-        raise SystemExit(f"{' '.join(command)} failed:\n{out.stderr[-2000:]}")
-    return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")][1:]
+    """The step records after the first of one run."""
+    args = [*MODEL, "--steps", str(steps), "--n-expert", str(n_expert), "--ep", str(ep)]
+    return train_cli(args, ranks, timeout=900)[0][1:]
 
 
 def main() -> None:
