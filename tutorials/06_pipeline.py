@@ -17,7 +17,9 @@ from minipar.comm import Communicator
 from minipar.data import Batches, load_tokens
 from minipar.models.gpt import GPT, GPTConfig
 from minipar.parallel.data_parallel import DataParallel
-from minipar.parallel.pipeline import Pipeline, bubble_fraction, schedule
+from minipar.parallel.pipeline import Pipeline
+from minipar.parallel.schedules import bubble_formula, schedule, simulate
+from minipar.parallel.schedules import timeline as timeline_chart
 
 comm = Communicator()
 p, s = comm.size, comm.rank
@@ -35,7 +37,7 @@ for xi, yi in zip(np.split(x, m), np.split(y, m)):
     ref_losses.append(loss.item())
 
 for kind in ("gpipe", "1f1b"):
-    ops = " ".join(f"{k}{i}" for k, i in schedule(kind, p, s, m))
+    ops = " ".join(f"{k}{i}" for k, i, _ in schedule(kind, p, s, m))
     for r, line in enumerate(comm.all_gather_bytes(ops.encode())):
         say(f"{kind:>5} stage {r}: {line.decode()}")
     model = GPT(cfg, seed=0)
@@ -47,8 +49,8 @@ for kind in ("gpipe", "1f1b"):
     stats = pipeline.stats
     peaks = [int(v) for v in comm.all_gather(np.array([stats["peak_microbatches_in_flight"]]))]
     say(f"      bubble {stats['bubble']:.3f} on the logical clock (F = 1, B = 2), formula (p−1)/(m+p−1) = "
-        f"{bubble_fraction(p, m):.3f}; microbatch activations held at once per stage: {peaks}")
-    assert abs(stats["bubble"] - bubble_fraction(p, m)) < 1e-12
+        f"{bubble_formula(kind, p, m):.3f}; microbatch activations held at once per stage: {peaks}")
+    assert abs(stats["bubble"] - bubble_formula(kind, p, m)) < 1e-12
     assert peaks == ([m] * p if kind == "gpipe" else [min(p - r, m) for r in range(p)])
     ref_grads = {n: q.grad for n, q in reference.named_parameters()}
     for n, q in model.named_parameters():  # this stage's gradients are the single-process ones (wte: embedding + head)
@@ -57,6 +59,16 @@ for kind in ("gpipe", "1f1b"):
     if s == 0:
         print(plot.ascii_chart(plot.load_events(timeline), width=96))
 say("(wall clock: here 4 ranks share 2 cores and the last stage also runs the head and the loss)")
+
+say(f"All four schedules for p = {p}, m = {m} on the logical clock (schedules.py simulates them; this engine runs")
+say("GPipe and 1F1B). F = forward, B = backward (input gradients only under zb-h1), W = weight gradients;")
+say("lower case = a rank's second chunk under interleaving; blanks are the bubble.")
+for kind, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)):
+    sim = simulate(kind, p, m, v)
+    assert abs(sim.bubble - bubble_formula(kind, p, m, v)) < 1e-12
+    say(f"{kind}{f' (v = {v})' if v > 1 else ''}: bubble {sim.bubble:.3f} = formula, peak activations held per rank "
+        f"{sim.peak_in_flight}")
+    say(timeline_chart(kind, p, m, v))
 say("GPipe keeps all m microbatches alive before its first backward; 1F1B starts backward as soon as the")
 say("pipeline is full, so stage s never holds more than p − s. Same bubble, far less activation memory.")
 say("tutorial 6: all invariants hold")

@@ -8,7 +8,8 @@ to s + 1; backward runs the other way with the gradients of those activations. M
 point-to-point (``isend`` so a stage never blocks on its own sends; blocking ``recv``), each tagged
 by microbatch, b·T·C·itemsize bytes per hop.
 
-Schedules (for stage s of p, m microbatches):
+Schedules (for stage s of p, m microbatches; generated, with interleaved 1F1B and ZB-H1, and verified
+by the simulator in schedules.py):
 
     GPipe   F0 F1 … F(m−1)  B0 B1 … B(m−1)                 keeps m microbatches' activations
     1F1B    p−s−1 warm-up forwards, then alternate F, B, then the remaining B's
@@ -39,24 +40,12 @@ from minipar.backend import to_device, to_host
 from minipar.comm import Communicator
 from minipar.models.gpt import GPT
 from minipar.nn import ModuleList
+from minipar.parallel.schedules import bubble_formula, schedule
 from minipar.safetensors_io import decode_safetensors, encode_safetensors
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe")  # what this engine runs; schedules.py also generates interleaved and zb-h1
 _TIED_WEIGHTS_TAG, _TIED_GRAD_TAG, _EVAL_TAG = 60000, 60001, 60002
 _FORWARD_COST, _BACKWARD_COST = 1.0, 2.0
-
-
-def schedule(kind: str, n_stages: int, stage: int, m: int) -> list[tuple[str, int]]:
-    """The order of ("F", i) forward and ("B", i) backward operations stage ``stage`` runs."""
-    if kind == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    if kind != "1f1b":
-        raise ValueError(f"unknown pipeline schedule {kind!r}: expected one of {SCHEDULES}")
-    warmup = min(n_stages - stage - 1, m)
-    ops = [("F", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        ops += [("F", warmup + i), ("B", i)]
-    return ops + [("B", i) for i in range(m - warmup, m)]
 
 
 def stage_blocks(n_layer: int, n_stages: int, stage: int) -> range:
@@ -68,16 +57,12 @@ def stage_blocks(n_layer: int, n_stages: int, stage: int) -> range:
     return range(start, start + base + (1 if stage < extra else 0))
 
 
-def bubble_fraction(n_stages: int, m: int) -> float:
-    """The idle share of a pipelined step with equal stages: (p − 1)/(m + p − 1)."""
-    return (n_stages - 1) / (m + n_stages - 1)
-
-
 class Pipeline:
     """This rank's stage of ``model`` (pruned in place) and the schedule that runs a step's microbatches."""
 
     def __init__(self, model: GPT, comm: Communicator, kind: str = "1f1b"):
-        schedule(kind, comm.size, comm.rank, 1)  # validates the name
+        if kind not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {kind!r}: this engine runs {SCHEDULES}")
         self.model, self.comm, self.kind = model, comm, kind
         self.stage, self.n_stages = comm.rank, comm.size
         self.is_first, self.is_last = self.stage == 0, self.stage == self.n_stages - 1
@@ -143,7 +128,7 @@ class Pipeline:
         self._exchange_tied_embedding()
         inputs, outputs, losses, sends = {}, {}, [], []
         clock, peak = 0.0, 0
-        for kind, i in schedule(self.kind, self.n_stages, self.stage, m):
+        for kind, i, _ in schedule(self.kind, self.n_stages, self.stage, m):
             final = kind == "B" and i == m - 1
             if kind == "F":
                 if self.is_first:
@@ -187,7 +172,7 @@ class Pipeline:
         makespan = float(self.comm.all_reduce(np.array([clock]), op="max", label="pp_clock")[0])
         busy = m * (_FORWARD_COST + _BACKWARD_COST)
         self.stats = {"peak_microbatches_in_flight": peak, "logical_step_time": makespan,
-                      "bubble": 1.0 - busy / makespan, "bubble_formula": bubble_fraction(self.n_stages, m)}
+                      "bubble": 1.0 - busy / makespan, "bubble_formula": bubble_formula(self.kind, self.n_stages, m)}
         return losses
 
     def _run_single_stage(self, engine: Any, xs: list, ys: list) -> list[Any]:
