@@ -16,6 +16,14 @@ the moment the walk reaches it. That is when its hooks fire (:meth:`Tensor.regis
 data-parallel buckets and ZeRO reduce-scatters start communicating there, while the walk goes on
 computing the gradients of earlier layers.
 
+Split backward (zero-bubble pipelines, Qi et al. 2024). ``out.backward(g, defer=weights)`` walks
+the graph computing only what flows towards the inputs (B): a node whose inputs include a weight
+in ``defer`` is asked — through ``ctx.needs_input_grad`` — for its other inputs' gradients only, and
+is kept, with the gradient it received, in the returned :class:`WeightGradients`. Its ``run()`` (W)
+later asks each kept node for the weights' gradients alone, from the same saved activations (no
+forward is re-run), and accumulates them; the weights' hooks fire there. Ops that ignore the mask
+and return a weight gradient in B anyway have it kept for W, so the result never depends on it.
+
 Gradients handed between nodes are never modified in place (one array may feed several inputs);
 the ``.grad`` stored on a leaf is always an array the leaf owns, so optimizers and hooks may
 update it in place.
@@ -111,12 +119,17 @@ class Tensor:
     def zero_grad(self) -> None:
         self.grad = None
 
-    def backward(self, grad: Any = None) -> None:
-        """Accumulate d(self)/d(leaf) into every leaf's ``.grad`` (the graph is freed as it goes)."""
+    def backward(self, grad: Any = None, defer: set[int] | None = None) -> WeightGradients | None:
+        """Accumulate d(self)/d(leaf) into every leaf's ``.grad`` (the graph is freed as it goes).
+
+        With ``defer`` (ids of weight tensors) only the other gradients are computed now; the weights'
+        are returned as a :class:`WeightGradients` to ``run()`` later (split backward, module docstring).
+        """
         if grad is None:
             if self.size != 1:
                 raise RuntimeError(f"backward() without a gradient needs a scalar, got shape {self.shape}")
             grad = xp.ones_like(self.data)
+        deferred = WeightGradients() if defer is not None else None
         grads: dict[int, Any] = {id(self): grad}
         for node in _reverse_topological_order(self):
             g = grads.pop(id(node), None)
@@ -126,17 +139,32 @@ class Tensor:
             if ctx is None:
                 node._accumulate(g)
                 continue
-            node._ctx = None  # free saved activations as soon as they are used
+            node._ctx = None  # free saved activations as soon as they are used (W keeps the ones it needs)
+            weights = tuple(isinstance(i, Tensor) and id(i) in defer and n
+                            for i, n in zip(ctx.inputs, ctx.needs_input_grad)) if deferred else ()
+            if any(weights):
+                ctx.needs_input_grad = tuple(n and not w for n, w in zip(ctx.needs_input_grad, weights))
+                if not any(ctx.needs_input_grad):
+                    deferred.nodes.append((ctx, g, weights))
+                    continue  # only weights need this node's gradient: all of it waits for W
             input_grads = ctx.fn.backward(ctx, g)
             if not isinstance(input_grads, tuple):
                 input_grads = (input_grads,)
+            if any(weights):  # W asks for the weights' gradients this op did not compute here anyway
+                later = tuple(w and (i >= len(input_grads) or input_grads[i] is None) for i, w in enumerate(weights))
+                if any(later):
+                    deferred.nodes.append((ctx, g, later))
             for inp, ig in zip(ctx.inputs, input_grads):
                 if ig is None or not isinstance(inp, Tensor) or not inp.requires_grad:
                     continue
                 if ig is g and inp._ctx is None:
                     ig = ig.copy()  # a pass-through gradient handed to a leaf: give it its own array
+                if deferred and id(inp) in defer:
+                    deferred.ready.append((inp, ig))  # an op that computed a weight's gradient in B regardless
+                    continue
                 key = id(inp)
                 grads[key] = ig if key not in grads else grads[key] + ig
+        return deferred
 
     def _accumulate(self, g: Any) -> None:
         if self.grad is None:
@@ -170,6 +198,32 @@ class Tensor:
     def log(self): return _ops.log(self)
     def tanh(self): return _ops.tanh(self)
     def softmax(self, axis: int = -1): return _ops.softmax(self, axis)
+
+
+class WeightGradients:
+    """The weight-gradient half (W) of a split backward: the nodes B left for it, each with the gradient it
+    received, and weight gradients some op computed early. ``run()`` computes, sums and accumulates them
+    into the weights' ``.grad`` — each weight once, so its hooks fire once — and may be called once."""
+
+    def __init__(self) -> None:
+        self.nodes: list[tuple[Context, Any, tuple[bool, ...]]] = []
+        self.ready: list[tuple[Tensor, Any]] = []
+
+    def run(self) -> None:
+        totals: dict[int, tuple[Tensor, Any]] = {}
+        contributions = list(self.ready)
+        for ctx, g, weights in self.nodes:
+            ctx.needs_input_grad = weights
+            grads = ctx.fn.backward(ctx, g)
+            grads = grads if isinstance(grads, tuple) else (grads,)
+            contributions += [(inp, ig.copy() if ig is g else ig)
+                              for inp, ig, w in zip(ctx.inputs, grads, weights) if w and ig is not None]
+        for weight, ig in contributions:
+            previous = totals.get(id(weight))
+            totals[id(weight)] = (weight, ig if previous is None else previous[1] + ig)
+        for weight, total in totals.values():
+            weight._accumulate(total)
+        self.nodes, self.ready = [], []
 
 
 class Function:
