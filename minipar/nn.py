@@ -101,22 +101,22 @@ class Module:
 
 
 class ModuleList(Module):
-    """A list of modules named ``start``, ``start+1``, ... (GPT-2's ``h.{i}``; a pipeline stage's
-    share of the blocks keeps their global numbers)."""
+    """A list of modules named ``start``, ``start+1``, ... or by the given ``numbers`` (GPT-2's ``h.{i}``; a
+    pipeline stage's share of the blocks keeps their global numbers, interleaved chunks included)."""
 
-    def __init__(self, modules: list[Module], start: int = 0):
-        for i, m in enumerate(modules):
-            setattr(self, str(start + i), m)
-        self._start, self._length = start, len(modules)
+    def __init__(self, modules: list[Module], start: int = 0, numbers: list[int] | None = None):
+        self._numbers = list(numbers) if numbers is not None else list(range(start, start + len(modules)))
+        for number, m in zip(self._numbers, modules):
+            setattr(self, str(number), m)
 
     def __len__(self) -> int:
-        return self._length
+        return len(self._numbers)
 
     def __iter__(self) -> Iterator[Module]:
-        return (getattr(self, str(self._start + i)) for i in range(self._length))
+        return (getattr(self, str(n)) for n in self._numbers)
 
     def __getitem__(self, i: int) -> Module:
-        return getattr(self, str(self._start + range(self._length)[i]))
+        return getattr(self, str(self._numbers[i]))
 
 
 class Linear(Module):

@@ -41,7 +41,8 @@ from minipar.parallel.expert_parallel import (check_expert_parallel, expert_name
 from minipar.parallel.local_sgd import LocalSGD
 from minipar.parallel import planner
 from minipar.parallel.mesh import Mesh
-from minipar.parallel.pipeline import SCHEDULES, Pipeline, stage_blocks, stage_state
+from minipar.parallel.pipeline import Pipeline, stage_blocks, stage_state
+from minipar.parallel.schedules import SCHEDULES, check_schedule
 from minipar.nn import LayerNorm
 from minipar.parallel.tensor_parallel import (SequenceParallelLayerNorm, check_tensor_parallel,
                                               gather_tensor_parallel_state, shard_state_dict, tensor_parallel)
@@ -115,7 +116,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="how a sequence is cut over the cp ranks (default: zigzag for ring, contiguous for ulysses)")
     par.add_argument("--sp", action="store_true",
                      help="sequence parallelism (Megatron-SP): layer norms and residuals on T/tp shards (with --tp)")
-    par.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b", help="pipeline schedule (with --pp)")
+    par.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
+                     help="pipeline schedule (with --pp); interleaved needs --virtual-stages, zb-h1 splits backward")
+    par.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                     help="model chunks per pipeline rank (--schedule interleaved): rank r holds chunks r, r+pp, …")
     par.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (with --dp)")
     par.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for DP / ZeRO-1/2")
     par.add_argument("--compression", choices=list(COMPRESSIONS), default="none",
@@ -160,7 +164,7 @@ def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
     args.dp, args.tp, args.pp, args.zero = choice["dp"], choice["tp"], choice["pp"], choice["zero"]
     args.microbatches, args.schedule = choice["microbatches"], choice["schedule"]
     args.cp, args.cp_kind, args.sp, args.cp_split = choice["cp"], choice["cp_kind"], choice["sp"], None
-    args.ep = choice["ep"]
+    args.ep, args.virtual_stages = choice["ep"], choice["virtual_stages"]
     if world.rank == 0 and not args.json:
         print(f"auto: {planner.Layout(**{k: choice[k] for k in dataclasses.asdict(best.layout)})}"
               f" of {choice['candidates']} layouts, predicted {choice['step_ms']:.1f} ms/step, "
@@ -184,8 +188,8 @@ MODEL_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_expert", "expert_
 def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | None) -> GPTConfig:
     """Reject bad input before anything is built or communicated (every rank reaches the same verdict).
     Fills in ``args.dp`` when it was left out: the ranks that tp·pp leave, as Megatron-LM does."""
-    for name in ("steps", "batch_size", "microbatches", "block_size", "tp", "pp", "cp", "ep", "bucket_mb",
-                 "eval_batches", "log_interval"):
+    for name in ("steps", "batch_size", "microbatches", "block_size", "tp", "pp", "cp", "ep", "virtual_stages",
+                 "bucket_mb", "eval_batches", "log_interval"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("lr", "min_lr", "warmup", "grad_clip", "weight_decay", "eval_interval", "save_interval", "keep_last"):
@@ -245,7 +249,12 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
         if args.sp and (cfg.block_size // args.cp) % args.tp:
             raise ValueError(f"--sp shards each rank's T/cp = {cfg.block_size // args.cp} positions over --tp "
                              f"{args.tp}: it must be divisible by it")
-    stage_blocks(cfg.n_layer, args.pp, 0)
+    if args.pp > 1 or args.schedule != "1f1b" or args.virtual_stages != 1:
+        if args.pp < 2 and (args.schedule == "interleaved" or args.virtual_stages != 1):
+            raise ValueError(f"--schedule {args.schedule} --virtual-stages {args.virtual_stages} interleaves pipeline "
+                             "stages: it needs --pp >= 2")
+        check_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
+    stage_blocks(cfg.n_layer, args.pp * args.virtual_stages, 0)
     check_memory(cfg, args, world_size)
     return cfg
 
@@ -267,7 +276,8 @@ def check_memory(cfg: GPTConfig, args: argparse.Namespace, world_size: int) -> N
     this machine) exceeds the memory available here, instead of letting the OOM killer end it mid-step."""
     itemsize = planner.ITEMSIZE[args.dtype]
     layout = planner.Layout(args.dp, args.tp, args.pp, args.zero, args.microbatches, args.schedule, cp=args.cp,
-                            cp_kind=args.cp_kind, sp=args.sp, ep=args.ep)
+                            cp_kind=args.cp_kind, sp=args.sp, ep=args.ep,
+                            virtual_stages=args.virtual_stages)
     states, activations = planner.memory_per_rank(cfg, args.batch_size, layout, itemsize)
     per_rank = states * itemsize / 4 + activations  # the planner's 16Ψ counts 4-byte words
     # on the CPU the ranks on this machine share its memory; on GPUs each rank has its own device
@@ -584,7 +594,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     comms = list(dict.fromkeys([world, mesh.dp_comm, mesh.cp_comm, mesh.tp_comm, mesh.pp_comm, mesh.grad_comm,
                                 mesh.ep_comm, mesh.expert_grad_comm]))
     model = build_model(args, cfg, mesh, resumed)
-    pipeline = Pipeline(model, mesh.pp_comm, args.schedule)
+    pipeline = Pipeline(model, mesh.pp_comm, args.schedule, args.virtual_stages)
     engine, optimizer = build_engine(model, mesh, args)
     local_sgd = LocalSGD(model, mesh.dp_comm, args.local_sgd, args.outer_lr, args.outer_momentum,
                          staleness=args.staleness) if args.local_sgd else None
@@ -597,7 +607,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     layout = "".join(f", {k}={v}" for k, v in (("dp", mesh.dp), ("ep", mesh.ep), ("cp", mesh.cp), ("tp", mesh.tp),
                                                 ("pp", mesh.pp)) if v > 1)
     layout += (f" {args.cp_kind} {args.cp_split}" if mesh.cp > 1 else "") + (" sp" if args.sp else "")
-    layout += f" {args.schedule}" if mesh.pp > 1 else ""
+    layout += f" {args.schedule}" + (f" v={args.virtual_stages}" if args.virtual_stages > 1 else "") if mesh.pp > 1 else ""
     layout += f" zero-{args.zero}" if args.zero else ""
     experts = f" E={cfg.n_expert} top-{cfg.expert_top_k}" if cfg.n_expert else ""
     progress.say(f"minipar: GPT {cfg.num_parameters():,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} "

@@ -1,11 +1,12 @@
-"""Pipeline parallelism (GPipe and 1F1B) and the full dp·tp·pp mesh reproduce single-process
-training; the schedules' bubble and activation footprint match the formulas."""
+"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-H1) and the full dp·tp·pp mesh reproduce
+single-process training; each schedule's bubble and activation footprint in the engine are the
+simulator's and the formulas'; split backward (B, then W) gives the gradients of one backward."""
 import sys
 
 import numpy as np
 import pytest
 
-from minipar.parallel.schedules import bubble_formula, schedule
+from minipar.parallel.schedules import bubble_formula, schedule, simulate
 from minipar.testing import assert_same_training, run_command, run_ranks, train_cli
 
 MODEL = ["--n-layer", "4", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
@@ -28,8 +29,60 @@ def test_pipeline_matches_single_process(tmp_path, reference, pp, kind):
     result = train(tmp_path, "pp", pp, ["--pp", str(pp), "--schedule", kind, "--microbatches", str(m)])
     assert_same_training(result, reference)
     stats = result[0][-1]["pipeline"]  # rank 0 = stage 0
-    assert stats["bubble"] == pytest.approx(bubble_formula("1f1b", pp, m), rel=0.10)
+    assert stats["bubble"] == pytest.approx(bubble_formula(kind, pp, m), abs=1e-12)
     assert stats["peak_microbatches_in_flight"] == (m if kind == "gpipe" else min(pp, m))
+
+
+@pytest.fixture(scope="module")
+def reference8(tmp_path_factory):
+    """Eight layers: enough for 4 ranks × 2 chunks."""
+    return train_cli([*MODEL, "--n-layer", "8"], 1, str(tmp_path_factory.mktemp("single8") / "single"))
+
+
+NEW_SCHEDULES = [("interleaved", 2, 2, 4, []), ("interleaved", 2, 2, 8, []), ("interleaved", 4, 2, 4, []),
+                 ("interleaved", 4, 2, 8, []), ("zb-h1", 2, 1, 4, []), ("zb-h1", 4, 1, 4, []), ("zb-h1", 2, 1, 2, []),
+                 ("interleaved", 2, 2, 4, ["--dp", "2"]), ("zb-h1", 2, 1, 4, ["--dp", "2", "--zero", "1"]),
+                 ("interleaved", 2, 2, 2, ["--dp", "2", "--tp", "2"]), ("zb-h1", 2, 1, 2, ["--dp", "2", "--tp", "2"])]
+
+
+@pytest.mark.parametrize("kind,pp,v,m,extra", NEW_SCHEDULES)
+def test_interleaved_and_zero_bubble_match_single_process(tmp_path, reference, reference8, kind, pp, v, m, extra):
+    """The tied embedding spans the first and last rank in every case; L = 8 where pp·v = 8."""
+    ranks = pp * (2 if "--dp" in extra else 1) * (2 if "--tp" in extra else 1)
+    layers = ["--n-layer", "8"] if pp * v > 4 else []
+    result = train_cli([*MODEL, *layers, "--pp", str(pp), "--schedule", kind, "--virtual-stages", str(v),
+                        "--microbatches", str(m), *extra], ranks, str(tmp_path / "pp"))
+    assert_same_training(result, reference8 if layers else reference)
+    stats, sim = result[0][-1]["pipeline"], simulate(kind, pp, m, v)  # rank 0's
+    assert stats["bubble"] == pytest.approx(bubble_formula(kind, pp, m, v), abs=1e-12) == pytest.approx(sim.bubble)
+    assert stats["peak_microbatches_in_flight"] == sim.peak_in_flight[0]
+
+
+def test_split_backward_equals_one_backward():
+    """B (input gradients only) then W (weights), from one forward: the gradients of a plain backward;
+    the weights' hooks fire once, in W; the input's gradient is there after B."""
+    from minipar.autograd import Tensor
+    from minipar.models.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=8, dtype="float64")
+    h = np.random.default_rng(0).standard_normal((2, 8, 8))
+    grads, fired = [], []
+    for split in (False, True):
+        model = GPT(cfg, seed=0)
+        x = Tensor(h, requires_grad=True)
+        out = model.transformer.h[1](model.transformer.h[0](x))
+        for name, p in model.named_parameters():
+            p.register_hook(lambda p, name=name, split=split: fired.append((split, name)))
+        weights = {id(p) for p in model.parameters()} if split else None
+        deferred = out.backward(np.ones_like(h), defer=weights)
+        if split:
+            assert x.grad is not None and not [f for f in fired if f[0]]  # B: the input's gradient, no weight's
+            deferred.run()
+        grads.append({"x": x.grad, **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for name in grads[0]:
+        np.testing.assert_allclose(grads[1][name], grads[0][name], rtol=1e-12, atol=1e-15, err_msg=name)
+    assert sorted(n for s, n in fired if s) == sorted(n for s, n in fired if not s)  # each hook once per backward
 
 
 def test_hybrid_dp2_tp2_pp2_matches_single_process(tmp_path, reference):
@@ -80,8 +133,14 @@ def test_schedules_are_complete_and_causal():
 
 
 @pytest.mark.parametrize("ranks,args,message", [
-    (2, ["--pp", "2", "--n-layer", "1"], "--pp 2 needs at least 2 transformer layers"),
+    (2, ["--pp", "2", "--n-layer", "1"], "2 pipeline stages (--pp × --virtual-stages) need at least 2 transformer layers"),
     (4, ["--pp", "2", "--dp", "2", "--zero", "2"], "with --pp use --zero 0 or 1"),
+    (2, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "3", "--batch-size", "6"],
+     "--microbatches 3 must be a multiple of --pp 2"),
+    (2, ["--pp", "2", "--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),
+    (2, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "3", "--n-layer", "4", "--microbatches", "2"],
+     "6 pipeline stages (--pp × --virtual-stages) need at least 6 transformer layers"),
+    (1, ["--schedule", "interleaved", "--virtual-stages", "2"], "it needs --pp >= 2"),
 ])
 def test_bad_pipeline_config(ranks, args, message):
     with pytest.raises(AssertionError) as err:

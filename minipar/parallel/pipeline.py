@@ -1,31 +1,40 @@
-"""Pipeline parallelism: the transformer's blocks split into pp consecutive stages, one per rank;
-a batch is cut into m microbatches that flow through the stages like a pipeline.
+"""Pipeline parallelism: the transformer's blocks split into consecutive stages over pp ranks; a batch
+is cut into m microbatches that flow through the stages like a pipeline.
 
-    stage 0: wte, wpe, blocks[0:k]      stage s: blocks[...]      stage p−1: blocks[...], ln_f, head + loss
+    stage 0: wte, wpe, blocks[0:k]      stage s: blocks[...]      last stage: blocks[...], ln_f, head + loss
 
-Forward, stage s receives microbatch i's activations (b, T, C) from s − 1 and sends its output
+Virtual stages. With v chunks per rank (interleaved 1F1B) the blocks split into p·v stages and rank
+r holds stages r, r + p, r + 2p, … (its chunks 0 … v−1): stage s's output goes to rank (s + 1) mod p,
+so a microbatch visits every rank v times. Without interleaving v = 1 and stage s is rank s.
+
+Forward, stage s receives microbatch i's activations (b, T, C) from stage s − 1 and sends its output
 to s + 1; backward runs the other way with the gradients of those activations. Messages are
-point-to-point (``isend`` so a stage never blocks on its own sends; blocking ``recv``), each tagged
-by microbatch, b·T·C·itemsize bytes per hop.
+point-to-point (``isend`` so a stage never blocks on its own sends; blocking ``recv``), tagged by
+(microbatch, stage), b·T·C·itemsize bytes per hop: 2·(p·v − 1)·m hops per step.
 
-Schedules (for stage s of p, m microbatches; generated, with interleaved 1F1B and ZB-H1, and verified
-by the simulator in schedules.py):
+Schedules (schedules.py: one generator each, verified by its simulator) give every rank its ordered
+passes (F, B or W; microbatch; chunk):
 
-    GPipe   F0 F1 … F(m−1)  B0 B1 … B(m−1)                 keeps m microbatches' activations
-    1F1B    p−s−1 warm-up forwards, then alternate F, B, then the remaining B's
-                                                            keeps at most p − s ≤ p microbatches'
+    gpipe        all forwards, then all backwards                 bubble (p−1)/(m+p−1), holds m microbatches
+    1f1b         p−r−1 warm-up forwards, then F/B alternate         bubble (p−1)/(m+p−1), holds ≤ p − r
+    interleaved  v chunks per rank, microbatches in groups of p    bubble (p−1)/(v·m+p−1)
+    zb-h1        B computes input gradients only (autograd's split backward); each W (the weights'
+                 gradients, from the activations B kept) fills a wait    bubble (p−1)/(3m+p−1) (F = B = W)
 
-Both take (m + p − 1)·(t_F + t_B) for m·(t_F + t_B) of work per stage, so the idle "bubble" is
-(p − 1)/(m + p − 1) of the step. ``Pipeline.stats`` measures it on a logical clock — every
-forward costs 1, every backward 2, and each message carries its sender's clock, so a stage starts
-an operation at max(its own clock, the clock of the data it waits for) — which is the schedule's
-own bubble, free of this machine's noise; ``--trace`` shows the wall-clock one.
+``Pipeline.stats`` measures the bubble on a logical clock — a chunk's forward costs 1/v, its backward
+2/v (B and W 1/v each when split), and each message carries its sender's clock, so a pass starts at
+max(its rank's clock, the clock of the data it waits for) — which is the schedule's own bubble, free of
+this machine's noise; ``--trace`` shows the wall-clock one (W passes as their own category).
+
+Data parallelism sees one backward per chunk and step under ``engine.no_sync()`` but the last — the last
+B of that chunk, or its last W when split — so its hooks fire once, when a parameter's gradient over
+all microbatches is final, and the reduction of a chunk overlaps the rest of the pipeline.
 
 Tied embeddings. The head of the last stage reuses the first stage's token embedding. The last
-stage keeps a mirror (not a parameter): at the start of each step the first stage sends it the
-table, and after its final backward the last stage sends the table's gradient back, which the
-first stage adds in before its own final backward — so the first stage's ``wte.grad`` is
-the single-process gradient (embedding + head) when data parallelism reduces it.
+rank keeps a mirror (not a parameter): at the start of each step rank 0 sends it the table, and
+after its last pass the last rank sends the table's gradient back, which rank 0 adds in before the
+final backward of its chunk 0 — so rank 0's ``wte.grad`` is the single-process gradient (embedding +
+head) when data parallelism reduces it.
 """
 from __future__ import annotations
 
@@ -40,47 +49,52 @@ from minipar.backend import to_device, to_host
 from minipar.comm import Communicator
 from minipar.models.gpt import GPT
 from minipar.nn import ModuleList
-from minipar.parallel.schedules import bubble_formula, schedule
+from minipar.parallel.schedules import SCHEDULES, bubble_formula, check_schedule, costs, schedule
 from minipar.safetensors_io import decode_safetensors, encode_safetensors
 
-SCHEDULES = ("1f1b", "gpipe")  # what this engine runs; schedules.py also generates interleaved and zb-h1
-_TIED_WEIGHTS_TAG, _TIED_GRAD_TAG, _EVAL_TAG = 60000, 60001, 60002
-_FORWARD_COST, _BACKWARD_COST = 1.0, 2.0
+_TIED_WEIGHTS_TAG, _TIED_GRAD_TAG, _EVAL_TAG = 60000, 60001, 61000
 
 
 def stage_blocks(n_layer: int, n_stages: int, stage: int) -> range:
     """The blocks of ``stage``: a balanced contiguous split (``numpy.array_split``)."""
     if n_layer < n_stages:
-        raise ValueError(f"--pp {n_stages} needs at least {n_stages} transformer layers (n_layer={n_layer})")
+        raise ValueError(f"{n_stages} pipeline stages (--pp × --virtual-stages) need at least {n_stages} transformer "
+                         f"layers (n_layer={n_layer})")
     base, extra = divmod(n_layer, n_stages)
     start = stage * base + min(stage, extra)
     return range(start, start + base + (1 if stage < extra else 0))
 
 
 class Pipeline:
-    """This rank's stage of ``model`` (pruned in place) and the schedule that runs a step's microbatches."""
+    """This rank's chunks of ``model`` (pruned in place) and the schedule that runs a step's microbatches."""
 
-    def __init__(self, model: GPT, comm: Communicator, kind: str = "1f1b"):
-        if kind not in SCHEDULES:
-            raise ValueError(f"unknown pipeline schedule {kind!r}: this engine runs {SCHEDULES}")
-        self.model, self.comm, self.kind = model, comm, kind
-        self.stage, self.n_stages = comm.rank, comm.size
-        self.is_first, self.is_last = self.stage == 0, self.stage == self.n_stages - 1
+    def __init__(self, model: GPT, comm: Communicator, kind: str = "1f1b", virtual_stages: int = 1):
+        p, v = comm.size, virtual_stages
+        check_schedule(kind, p, p, v)
+        self.model, self.comm, self.kind, self.v = model, comm, kind, v
+        self.rank, self.n_ranks, self.n_stages = comm.rank, p, p * v
+        self.is_first, self.is_last = self.rank == 0, self.rank == p - 1  # hold stage 0 / the last stage
         cfg, t = model.config, model.transformer
-        blocks = stage_blocks(cfg.n_layer, self.n_stages, self.stage)
-        t.h = ModuleList([t.h[i] for i in blocks], start=blocks.start)
+        self.chunks = [[t.h[i] for i in stage_blocks(cfg.n_layer, p * v, c * p + self.rank)] for c in range(v)]
+        numbers = [i for c in range(v) for i in stage_blocks(cfg.n_layer, p * v, c * p + self.rank)]
+        t.h = ModuleList([t.h[i] for i in numbers], numbers=numbers)
         if not self.is_first:
             del t.wpe
         if not self.is_last:
             del t.ln_f
         if not (self.is_first or self.is_last):
             del t.wte
-        self.tied = self.n_stages > 1
+        self.tied = p > 1
         if self.tied and self.is_last:
-            t.wte.weight = Tensor(t.wte.weight.data)  # a mirror of stage 0's table, refreshed every step
+            t.wte.weight = Tensor(t.wte.weight.data)  # a mirror of rank 0's table, refreshed every step
+        self.weights = {id(q) for q in model.parameters()}  # what a split backward defers to W
         self.stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------- messages
+    def _tag(self, microbatch: int, stage: int) -> int:
+        """Four tags per (microbatch, receiving stage): activations, their clock, gradients, their clock."""
+        return 4 * (microbatch * self.n_stages + stage)
+
     def _send(self, array: Any, dest: int, tag: int, clock: float, label: str) -> list:
         return [self.comm.isend(array, dest, tag, label=label),
                 self.comm.isend(np.array([clock]), dest, tag + 1, label="pp_clock")]
@@ -96,83 +110,97 @@ class Pipeline:
         return np.dtype(self.model.config.dtype)
 
     def _exchange_tied_embedding(self) -> None:
-        """Stage 0's current token-embedding table to the last stage's mirror."""
+        """Rank 0's current token-embedding table to the last rank's mirror."""
         if not self.tied:
             return
         if self.is_first:
-            self.comm.send(self.model.transformer.wte.weight.data, self.n_stages - 1, _TIED_WEIGHTS_TAG, label="pp_embedding")
+            self.comm.send(self.model.transformer.wte.weight.data, self.n_ranks - 1, _TIED_WEIGHTS_TAG, label="pp_embedding")
         elif self.is_last:
             wte = self.model.transformer.wte
             table = self.comm.recv(np.empty(wte.weight.shape, self._dtype), 0, _TIED_WEIGHTS_TAG)
             wte.weight = Tensor(to_device(table), requires_grad=True)
 
     # ------------------------------------------------------------------------------- compute
-    def _forward(self, inp: Any, targets: Any) -> Tensor:
-        model = self.model
-        x = model.embed(to_device(inp)) if self.is_first else inp
-        for block in model.transformer.h:
+    def _forward(self, chunk: int, inp: Any, targets: Any) -> Tensor:
+        """Stage chunk·p + rank on ``inp``: token ids on stage 0, else activations; the loss on the last stage."""
+        stage, model = chunk * self.n_ranks + self.rank, self.model
+        x = model.embed(to_device(inp)) if stage == 0 else inp
+        for block in self.chunks[chunk]:
             x = block(x)
-        return model.head(x, to_device(targets))[1] if self.is_last else x
+        return model.head(x, to_device(targets))[1] if stage == self.n_stages - 1 else x
 
     def run(self, engine: Any, x: np.ndarray, y: np.ndarray, m: int) -> list[Any]:
-        """Forward and backward of m microbatches of (x, y); returns their losses as 0-d xp arrays (on the last stage).
+        """Forward and backward of m microbatches of (x, y); returns their losses as 0-d xp arrays (on the last rank).
 
-        Every backward but the last runs under ``engine.no_sync()``, so data parallelism
-        communicates once, during the final one.
-        """
+        Each chunk's backward passes but its last run under ``engine.no_sync()`` (module docstring)."""
         xs, ys = np.split(x, m), np.split(y, m)
-        if self.n_stages == 1:
+        if self.n_ranks == 1:
             return self._run_single_stage(engine, xs, ys)
+        p, last_stage = self.n_ranks, self.n_stages - 1
         shape = (len(xs[0]), len(self.model.positions(x.shape[1])), self.model.config.n_embd)
-        prev, nxt = self.stage - 1, self.stage + 1
+        prev, nxt = (self.rank - 1) % p, (self.rank + 1) % p
         self._exchange_tied_embedding()
-        inputs, outputs, losses, sends = {}, {}, [], []
+        order = schedule(self.kind, p, self.rank, m, self.v)
+        split = any(a.kind == "W" for a in order)
+        final = {}  # chunk -> index of the pass that completes its gradients
+        for k, a in enumerate(order):
+            if a.kind == ("W" if split else "B"):
+                final[a.chunk] = k
+        cost = costs(self.kind, self.v)
+        inputs, outputs, weight_passes, losses, sends = {}, {}, {}, [], []
         clock, peak = 0.0, 0
-        for kind, i, _ in schedule(self.kind, self.n_stages, self.stage, m):
-            final = kind == "B" and i == m - 1
+        for k, (kind, i, chunk) in enumerate(order):
+            stage, name = chunk * p + self.rank, f"{i}" + (f".{chunk}" if self.v > 1 else "")
             if kind == "F":
-                if self.is_first:
+                if stage == 0:
                     inp = xs[i]
                 else:
-                    data, sent_at = self._recv(shape, prev, 4 * i, f"act {i}")
+                    data, sent_at = self._recv(shape, prev, self._tag(i, stage), f"act {name}")
                     clock, inp = max(clock, sent_at), Tensor(data, requires_grad=True)
-                with trace.span(f"F{i}", "forward"):
-                    out = self._forward(inp, ys[i])
-                clock += _FORWARD_COST
-                inputs[i], outputs[i] = inp, out
-                peak = max(peak, len(outputs))
-                if self.is_last:
+                with trace.span(f"F{name}", "forward"):
+                    out = self._forward(chunk, inp, ys[i])
+                clock += cost["F"]
+                inputs[i, chunk], outputs[i, chunk] = inp, out
+                peak = max(peak, len(outputs) + len(weight_passes))
+                if stage == last_stage:
                     losses.append(out.data)
                 else:
-                    sends += self._send(out.data, nxt, 4 * i, clock, "pp_activations")
+                    sends += self._send(out.data, nxt, self._tag(i, stage + 1), clock, "pp_activations")
                 continue
-            grad = None
-            if not self.is_last:
-                grad, sent_at = self._recv(shape, nxt, 4 * i + 2, f"grad {i}")
-                clock = max(clock, sent_at)
-            if final and self.tied and self.is_first:  # the head's share of the tied embedding's gradient
+            completes = final[chunk] == k
+            if completes and chunk == 0 and self.tied and self.is_first:  # the head's share of the tied embedding
                 wte = self.model.transformer.wte.weight
-                head_grad = to_device(self.comm.recv(np.empty(wte.shape, self._dtype), self.n_stages - 1, _TIED_GRAD_TAG))
+                head_grad = to_device(self.comm.recv(np.empty(wte.shape, self._dtype), p - 1, _TIED_GRAD_TAG))
                 wte.grad = head_grad if wte.grad is None else wte.grad + head_grad
-            with engine.no_sync() if not final else contextlib.nullcontext(), trace.span(f"B{i}", "backward"):
-                out = outputs.pop(i)
-                if self.is_last:
-                    (out * (1.0 / m)).backward()
-                else:
-                    out.backward(grad)
-            clock += _BACKWARD_COST
-            inp = inputs.pop(i)
-            if not self.is_first:
-                sends += self._send(inp.grad, prev, 4 * i + 2, clock, "pp_gradients")
-            if final and self.tied and self.is_last:
-                sends.append(self.comm.isend(self.model.transformer.wte.weight.grad, 0, _TIED_GRAD_TAG, label="pp_embedding"))
+            with engine.no_sync() if not completes else contextlib.nullcontext():
+                if kind == "W":
+                    with trace.span(f"W{name}", "weights"):
+                        weight_passes.pop((i, chunk)).run()
+                    clock += cost["W"]
+                    continue
+                grad = None
+                if stage < last_stage:
+                    grad, sent_at = self._recv(shape, nxt, self._tag(i, stage) + 2, f"grad {name}")
+                    clock = max(clock, sent_at)
+                with trace.span(f"B{name}", "backward"):
+                    out = outputs.pop((i, chunk))
+                    deferred = (out * (1.0 / m) if stage == last_stage else out).backward(
+                        None if stage == last_stage else grad, defer=self.weights if split else None)
+                if split:
+                    weight_passes[i, chunk] = deferred
+            clock += cost["B"]
+            inp = inputs.pop((i, chunk))
+            if stage > 0:
+                sends += self._send(inp.grad, prev, self._tag(i, stage - 1) + 2, clock, "pp_gradients")
+        if self.tied and self.is_last:
+            sends.append(self.comm.isend(self.model.transformer.wte.weight.grad, 0, _TIED_GRAD_TAG, label="pp_embedding"))
         with trace.span("wait sends", "comm"):
             for handle in sends:
                 handle.wait()
         makespan = float(self.comm.all_reduce(np.array([clock]), op="max", label="pp_clock")[0])
-        busy = m * (_FORWARD_COST + _BACKWARD_COST)
+        busy = m * self.v * sum(cost[kind] for kind in ("FBW" if split else "FB"))
         self.stats = {"peak_microbatches_in_flight": peak, "logical_step_time": makespan,
-                      "bubble": 1.0 - busy / makespan, "bubble_formula": bubble_formula(self.kind, self.n_stages, m)}
+                      "bubble": 1.0 - busy / makespan, "bubble_formula": bubble_formula(self.kind, p, m, self.v)}
         return losses
 
     def _run_single_stage(self, engine: Any, xs: list, ys: list) -> list[Any]:
@@ -189,20 +217,22 @@ class Pipeline:
         return losses
 
     def forward_only(self, engine: Any, x: np.ndarray, y: np.ndarray) -> float | None:
-        """The loss of (x, y) without gradients (evaluation); a float on the last stage, None elsewhere."""
-        if self.n_stages == 1:
+        """The loss of (x, y) without gradients (evaluation); a float on the last rank, None elsewhere."""
+        if self.n_ranks == 1:
             with no_grad():
                 return engine(x, y)[1].item()
         self._exchange_tied_embedding()
         shape = (len(x), len(self.model.positions(x.shape[1])), self.model.config.n_embd)
+        p, out = self.n_ranks, None
         with no_grad():
-            inp = x if self.is_first else self._recv(shape, self.stage - 1, _EVAL_TAG, "eval")[0]
-            out = self._forward(inp, y)
-            if not self.is_last:
-                self.comm.send(out.data, self.stage + 1, _EVAL_TAG, label="pp_activations")
-                self.comm.send(np.array([0.0]), self.stage + 1, _EVAL_TAG + 1, label="pp_clock")
-                return None
-        return out.item()
+            for chunk in range(self.v):
+                stage = chunk * p + self.rank
+                inp = x if stage == 0 else self._recv(shape, (self.rank - 1) % p, _EVAL_TAG + 2 * stage, "eval")[0]
+                out = self._forward(chunk, inp, y)
+                if stage < self.n_stages - 1:
+                    self.comm.send(out.data, (self.rank + 1) % p, _EVAL_TAG + 2 * (stage + 1), label="pp_activations")
+                    self.comm.send(np.array([0.0]), (self.rank + 1) % p, _EVAL_TAG + 2 * (stage + 1) + 1, label="pp_clock")
+        return out.item() if self.is_last else None
 
 
 def stage_state(local: dict[str, np.ndarray], comm: Communicator) -> dict[str, np.ndarray]:

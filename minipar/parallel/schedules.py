@@ -208,6 +208,16 @@ def bubble_formula(kind: str, p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (m + p - 1)
 
 
+def peak_microbatches(kind: str, p: int, m: int, v: int = 1) -> float:
+    """Activations the busiest rank (the first) holds at once, in whole-stage microbatches (a chunk is 1/v of
+    a stage): the peaks :func:`simulate` counts, as formulas."""
+    if kind == "gpipe":
+        return float(m)
+    if kind == "interleaved" and v > 1:
+        return min((p - 1) * 2 + (v - 1) * p + 1, m * v) / v
+    return float(min(p, m))
+
+
 def timeline(kind: str, p: int, m: int, v: int = 1, width_per_unit: int = 2) -> str:
     """The schedule as ASCII on the logical clock, one row per rank: each pass is its kind and microbatch
     (lower case for chunks > 0 under interleaving), as wide as its cost; blanks are the bubble."""
