@@ -37,7 +37,7 @@ def main() -> None:
             subprocess.run([mpiexec(), "-n", str(world), sys.executable, "-m", "minipar", "plan", "--calibrate"],
                            check=True, capture_output=True, env={**os.environ, **RANK_ENV})
         profile = planner.load_profile(args.profile, world)
-        layouts = [lay for lay in planner.enumerate_layouts(cfg, world, batch, context=False)
+        layouts = [lay for lay in planner.enumerate_layouts(cfg, world, batch, context=False, schedules=("1f1b",))
                    if lay.microbatches == (2 * lay.pp if lay.pp > 1 else 1)]
         for lay in layouts:
             predicted = planner.predict(cfg, batch, lay, profile).step_time * 1e3

@@ -62,7 +62,7 @@ def test_gpt3_175b_on_1024_a100s_chooses_megatrons_layout():
     L, H, C, T, V = planner.PRESETS["gpt3-175b"]
     cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C)
     ranked = planner.plan(cfg, 1024, 1536, planner.BUILTIN_PROFILES["a100-80gb"], itemsize=2, recompute=True,
-                          context=False)  # the 2021 runs had neither context nor sequence parallelism
+                          context=False, schedules=("1f1b",))  # Table 1's layouts: no cp, no sp; compared under 1F1B
     best = ranked[0]
     assert best.feasible and (best.layout.dp, best.layout.tp, best.layout.pp) == (8, 8, 16)
     assert best.layout.microbatches == 192  # microbatch size 1, as in Narayanan et al. 2021
@@ -126,4 +126,23 @@ def test_expert_terms_and_layouts():
         assert (pred.breakdown["ep_comm"] > 0) == (ep > 1)
         zero3 = planner.predict(moe, 16, planner.Layout(4, 1, 1, 3, 1, ep=ep), profile)
         assert zero3.breakdown["model_states"] == pytest.approx(16 * dense / 4 + 16 * experts / ep / (4 // ep))
-    assert planner.Layout(4, 2, 1, 1, 1, ep=2).flags()[-2:] == ["--ep", "2"] and "ep2" in str(planner.Layout(4, 1, 1, ep=2))
+    assert planner.Layout(4, 2, 1, 1, 1, ep=2).flags()[-4:-2] == ["--ep", "2"] and "ep2" in str(planner.Layout(4, 1, 1, ep=2))
+
+
+def test_pipeline_schedules_as_layout_options():
+    """Interleaved and ZB-H1 are enumerated where the engine runs them, with the simulator's bubble and peaks."""
+    deep = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=64)
+    layouts = planner.enumerate_layouts(deep, 4, 16)
+    kinds = {(lay.schedule, lay.virtual_stages) for lay in layouts if lay.pp > 1}
+    assert kinds == {("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)}
+    assert all(lay.microbatches % lay.pp == 0 for lay in layouts if lay.schedule == "interleaved")
+    profile = planner.BUILTIN_PROFILES["a100-80gb"]
+    pred = {s: planner.predict(deep, 16, planner.Layout(1, 1, 4, 0, 8, s, virtual_stages=v), profile)
+            for s, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("gpipe", 1))}
+    slot = pred["1f1b"].breakdown["compute"] / 8  # compute per microbatch slot (same in all four)
+    assert pred["1f1b"].breakdown["bubble"] > pred["interleaved"].breakdown["bubble"] > pred["zb-h1"].breakdown["bubble"]
+    assert pred["zb-h1"].breakdown["bubble"] == pytest.approx(8 * (slot + pred["zb-h1"].breakdown["pp_comm"] / 8)
+                                                               * 3 / 24, rel=1e-9)  # (p−1)/(3m) of the busy time
+    acts = {s: p.breakdown["activations"] for s, p in pred.items()}
+    assert acts["gpipe"] > acts["interleaved"] > acts["1f1b"] == acts["zb-h1"]
+    assert "zb-h1" in str(planner.Layout(1, 1, 4, 0, 8, "zb-h1")) and "v2" in str(planner.Layout(1, 1, 4, 0, 8, "interleaved", virtual_stages=2))

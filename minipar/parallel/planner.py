@@ -8,8 +8,10 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
               softmax, residuals: ``passes_act``·t·C + ``passes_att``·b·H·T² elements, ÷tp) at
               ``bandwidth``, + ``ops_per_layer`` launches at ``op_overhead``; the head adds 6·t·C·V/tp.
     tensor    4 ring all-reduces of t·C values per layer and microbatch: 2(tp−1)α + 2(tp−1)/tp·nβ each
-    pipeline  (m + pp − 1) microbatch slots of the slowest stage (the bubble), and per microbatch and
-              stage boundary one activation forward, one gradient back: 2(α + t·C·itemsize·β)
+    pipeline  m microbatch slots of the slowest stage stretched by the schedule's bubble f
+              (schedules.bubble_formula: 1F1B (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1), ZB-H1
+              (p−1)/(3m+p−1)): m·slot/(1 − f); per microbatch and chunk boundary one activation
+              forward, one gradient back: 2v(α + t·C·itemsize·β)
     data      ring all-reduce of the rank's Ψ_l = Ψ_stage/tp parameters, 2(dp−1)/dp·Ψ_l·itemsize·β, of
               which ``overlap`` hides behind backward; ZeRO-3 adds the forward all-gathers, exposed
               (minipar gathers a block when it is needed, without prefetching); + the AdamW pass
@@ -34,7 +36,8 @@ and moments, both 16 per parameter; activations per layer and microbatch
 s·b·h·(10 + 24/tp + 5·a·s/(h·tp)) at 2 bytes (Korthikanti et al. 2022; ×itemsize/2), with sequence
 parallelism s·b·h·(34/tp + 5·a·s/(h·tp)), with context parallelism s = T/cp per rank (Ulysses keeps the
 score term of the full T for a/cp heads: 5·a·T²/(cp·h·tp)), for the microbatches a stage holds at once
-(1F1B: pp, GPipe: m), or just the layer inputs with recomputation, plus the logits of the last stage.
+(schedules.peak_microbatches: GPipe m, 1F1B and ZB-H1 min(pp, m), interleaved ((pp−1)·2 + (v−1)·pp + 1)/v),
+or just the layer inputs with recomputation, plus the logits of the last stage.
 A mixture-of-experts MLP holds its 4h-wide intermediates for c·k·s·b rows, whole on every tp rank:
 16·c·k instead of 16/tp of the linear term.
 """
@@ -52,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from minipar.backend import physical_memory
+from minipar.parallel.schedules import bubble_formula, peak_microbatches
 from minipar.safetensors_io import atomic_write
 
 
@@ -133,17 +137,20 @@ class Layout:
     cp_kind: str = "ring"
     sp: bool = False
     ep: int = 1
+    virtual_stages: int = 1
 
     def flags(self) -> list[str]:
         return ["--dp", str(self.dp), "--tp", str(self.tp), "--pp", str(self.pp), "--zero", str(self.zero),
                 "--microbatches", str(self.microbatches), "--schedule", self.schedule, "--cp", str(self.cp),
-                "--cp-kind", self.cp_kind, *(["--sp"] if self.sp else []), "--ep", str(self.ep)]
+                "--cp-kind", self.cp_kind, *(["--sp"] if self.sp else []), "--ep", str(self.ep),
+                "--virtual-stages", str(self.virtual_stages)]
 
     def __str__(self) -> str:
         cp = f"·cp{self.cp} {self.cp_kind}" if self.cp > 1 else ""
         cp += f"·ep{self.ep}" if self.ep > 1 else ""
         return (f"dp{self.dp}·tp{self.tp}{' sp' if self.sp else ''}·pp{self.pp}{cp} zero{self.zero} m{self.microbatches}"
-                + (f" {self.schedule}" if self.pp > 1 else "") + (" recompute" if self.recompute else ""))
+                + (f" {self.schedule}" if self.pp > 1 else "") + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+                + (" recompute" if self.recompute else ""))
 
 
 @dataclass
@@ -188,10 +195,11 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
                                                profile.link(cp, cp * tp)) if cp > 1 else 0.0
     ep_time = math.ceil(L / pp) * expert_time(cfg, layout, t * C * itemsize, profile.link(layout.ep, layout.ep * cp * tp))
     pp_link = profile.link(world, world)
-    pp_time = 2 * (pp_link.alpha + t * C * itemsize * pp_link.beta) if pp > 1 else 0.0
+    v = layout.virtual_stages
+    pp_time = 2 * v * (pp_link.alpha + t * C * itemsize * pp_link.beta) if pp > 1 else 0.0
     stage_compute = (math.ceil(L / pp) * layer_time + head_time) * share
     microbatch = stage_compute + tp_time + cp_time + ep_time + pp_time
-    pipeline_time = (m + pp - 1) * microbatch
+    pipeline_time = m * microbatch / (1 - bubble_formula(layout.schedule, pp, m, v)) if pp > 1 else m * microbatch
 
     replicas = dp * cp  # gradients reduce, and ZeRO shards, over dp×cp (experts: over dp×cp/ep)
     dp_comm = optimizer_words = 0.0
@@ -204,7 +212,7 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
 
     states, activations = memory_per_rank(cfg, batch_size, layout, itemsize)
     memory = states + activations
-    breakdown = {"compute": m * stage_compute, "bubble": (pp - 1) * microbatch, "tp_comm": m * tp_time,
+    breakdown = {"compute": m * stage_compute, "bubble": pipeline_time - m * microbatch, "tp_comm": m * tp_time,
                  "cp_comm": m * cp_time, "ep_comm": m * ep_time, "pp_comm": m * pp_time, "dp_comm_exposed": exposed_dp,
                  "optimizer": optimizer, "model_states": states, "activations": activations}
     return Prediction(layout, step, memory, memory <= profile.memory, breakdown)
@@ -263,7 +271,7 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
         linear += 16 * (cfg.capacity_factor * cfg.expert_top_k - 1 / tp)
     scores = 5 * H * T * T / (cp * s * C * tp) if layout.cp_kind == "ulysses" else 5 * H * s / (C * tp)
     per_layer_act = s * b * C * (linear + scores) * itemsize / 2
-    in_flight = 1 if pp == 1 else (pp if layout.schedule == "1f1b" else m)
+    in_flight = 1 if pp == 1 else peak_microbatches(layout.schedule, pp, m, layout.virtual_stages)
     layers = math.ceil(L / pp)
     if layout.recompute:
         activations = (layers * t * C * itemsize + per_layer_act) * in_flight
@@ -285,10 +293,11 @@ def context_options(cfg: Any, cp: int, tp: int) -> list[tuple[str, bool]]:
 
 
 def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool = False,
-                      context: bool = True) -> list[Layout]:
+                      context: bool = True, schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")) -> list[Layout]:
     """Every layout the engine accepts: dp·tp·pp·cp = world, tp | n_head and 4C, pp ≤ n_layer, cp splits T
     (and the heads, for Ulysses), sp with tp ≥ 2, dp·m | batch, ZeRO needs dp·cp ≥ 2 and is 0/1 with pp > 1;
-    microbatches 1, 2, 4, … and B/dp (b = 1); with experts, ep | dp and ep | E, and no pp, cp or sp.
+    microbatches 1, 2, 4, … and B/dp (b = 1); with experts, ep | dp and ep | E, and no pp, cp or sp; with
+    pp ≥ 2 each of ``schedules`` (interleaved: 2 chunks per rank, m a multiple of pp, n_layer ≥ 2·pp).
     ``context=False`` leaves out context and sequence parallelism."""
     layouts = []
     moe = bool(getattr(cfg, "n_expert", 0))
@@ -312,15 +321,25 @@ def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool = F
                         if (zero and dp * cp == 1) or (zero >= 2 and pp > 1) or (moe and sp):
                             continue
                         for m, r, ep in itertools.product(counts, (False, True) if recompute else (False,), experts):
-                            layouts.append(Layout(dp, tp, pp, zero, m, "1f1b", r, cp, kind, sp, ep))
+                            for schedule, v in pipeline_options(cfg, pp, m, schedules):
+                                layouts.append(Layout(dp, tp, pp, zero, m, schedule, r, cp, kind, sp, ep, v))
     return layouts
 
 
+def pipeline_options(cfg: Any, pp: int, m: int, schedules: tuple[str, ...]) -> list[tuple[str, int]]:
+    """(schedule, chunks per rank) pairs the engine runs for pp ranks and m microbatches."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    return [(s, 2 if s == "interleaved" else 1) for s in schedules
+            if s != "interleaved" or (m % pp == 0 and cfg.n_layer >= 2 * pp)]
+
+
 def plan(cfg: Any, world: int, batch_size: int, profile: Profile, itemsize: int = 4,
-         recompute: bool = False, context: bool = True) -> list[Prediction]:
+         recompute: bool = False, context: bool = True,
+         schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")) -> list[Prediction]:
     """All layouts, feasible ones first, each group by predicted step time."""
     predictions = [predict(cfg, batch_size, lay, profile, itemsize)
-                   for lay in enumerate_layouts(cfg, world, batch_size, recompute, context)]
+                   for lay in enumerate_layouts(cfg, world, batch_size, recompute, context, schedules)]
     if not predictions:
         raise ValueError(f"no layout of {world} ranks fits this model and batch (check n_head, n_layer, batch size)")
     return sorted(predictions, key=lambda p: (not p.feasible, p.step_time))
