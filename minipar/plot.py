@@ -3,7 +3,7 @@
 Text charts need nothing beyond the standard library and are always printed; PNG files are drawn
 with matplotlib, an optional extra (``pip install 'minipar[plot]'``).
 
-    python -m minipar trace-plot out.json [-o schedule.png]        # F/B/~/o per rank over time
+    python -m minipar trace-plot out.json [-o schedule.png]        # F/B/W/~/o per rank over time
     python -m minipar plot a.jsonl b.jsonl [-o loss.png]           # several runs on one chart
 """
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 from minipar.safetensors_io import atomic_write
 
 # category: (symbol in text charts, colour in pictures)
-CATEGORIES = {"forward": ("F", "#4285f4"), "backward": ("B", "#db4437"), "comm": ("~", "#f4b400"),
-              "optimizer": ("o", "#0f9d58")}
+CATEGORIES = {"forward": ("F", "#4285f4"), "backward": ("B", "#db4437"), "weights": ("W", "#ab47bc"),
+              "comm": ("~", "#f4b400"), "optimizer": ("o", "#0f9d58")}
 IDLE = (".", "#eeeeee")
 RUN_SYMBOLS = "*o+x#@%&"
 
@@ -70,11 +70,12 @@ def _grid(events: list[dict[str, Any]], width: int) -> tuple[list[list[str | Non
 
 
 def ascii_chart(events: list[dict[str, Any]], width: int = 100) -> str:
-    """One line per rank: F forward, B backward, ~ communication, o optimizer, . idle."""
+    """One line per rank: F forward, B backward (input gradients only under zb-h1), W weight gradients,
+    ~ communication, o optimizer, . idle."""
     grid, t_end = _grid(events, width)
     lines = [f"rank {r:>2} |" + "".join(CATEGORIES.get(c, IDLE)[0] for c in row) + "|" for r, row in enumerate(grid)]
     legend = "  ".join(f"{sym} {cat}" for cat, (sym, _) in CATEGORIES.items()) + f"  {IDLE[0]} idle"
-    busy = [sum(c in ("forward", "backward") for c in row) / width for row in grid]
+    busy = [sum(c in ("forward", "backward", "weights") for c in row) / width for row in grid]
     return "\n".join([f"timeline: {t_end / 1e3:.1f} ms across {width} columns; {legend}", *lines,
                       "compute share per rank: " + ", ".join(f"{b:.0%}" for b in busy)])
 

@@ -61,3 +61,18 @@ def test_trace_plot_rejects_an_empty_trace(tmp_path):
     path.write_text(json.dumps({"traceEvents": []}))
     out = subprocess.run([sys.executable, "-m", "minipar", "trace-plot", str(path)], capture_output=True, text=True)
     assert out.returncode != 0 and "no events" in out.stderr
+
+
+def test_trace_plot_draws_weight_passes_of_zero_bubble(tmp_path):
+    path, svg = tmp_path / "zb.json", tmp_path / "zb.svg"
+    run_command(2, [sys.executable, "-m", "minipar", "train", "--pp", "2", "--schedule", "zb-h1", "--microbatches",
+                    "4", "--n-layer", "2", "--n-embd", "16", "--n-head", "2", "--block-size", "16", "--batch-size", "8",
+                    "--steps", "1", "--eval-interval", "0", "--trace", str(path)], timeout=120)
+    spans = [e for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"]
+    for rank in (0, 1):  # 4 microbatches: F, B (input gradients) and W (weights) each, on every stage
+        assert [sum(e["cat"] == c and e["pid"] == rank for e in spans) for c in ("forward", "backward", "weights")] == [4] * 3
+    out = subprocess.run([sys.executable, "-m", "minipar", "trace-plot", str(path), "--width", "80"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "W weights" in out.stdout, out.stderr
+    assert all("W" in line for line in out.stdout.splitlines() if line.startswith("rank"))
+    assert main(["trace-plot", str(path), "-o", str(svg)]) == 0 and "weights" in svg.read_text()
