@@ -14,7 +14,7 @@ import itertools
 import math
 from typing import Any, Sequence
 
-from minipar.autograd import Context, Function, Tensor
+from minipar.autograd import Context, Function, Tensor, no_grad
 from minipar.backend import use_triton, xp
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -496,7 +496,7 @@ class CausalSelfAttention(Function):
     """
 
     @staticmethod
-    def forward(ctx: Context, qkv: Any, n_head: int, scale: float | None) -> Any:
+    def forward(ctx: Context, qkv: Any, n_head: int, scale: float | None, recompute: bool = False) -> Any:
         B, T, C3 = qkv.shape
         C = C3 // 3
         D = C // n_head
@@ -510,12 +510,9 @@ class CausalSelfAttention(Function):
             lse = attention_forward(q, k, v, out.transpose(0, 2, 1, 3), ctx.scale)
             ctx.save_for_backward(q, k, v, out, lse)
             return out.reshape(B, T, C)
-        s = q @ xp.swapaxes(k, -1, -2)
-        s *= ctx.scale
-        s += _causal_mask(T, s.dtype)
-        p = _softmax(s, axis=-1)
+        p = _attention_probabilities(q, k, ctx.scale)
         y = p @ v
-        ctx.save_for_backward(q, k, v, p)
+        ctx.save_for_backward(q, k, v, None if recompute else p)  # selective recomputation: P again in backward
         return y.transpose(0, 2, 1, 3).reshape(B, T, C)
 
     @staticmethod
@@ -530,14 +527,46 @@ class CausalSelfAttention(Function):
 
             out, lse = ctx.saved[3:]
             attention_backward(q, k, v, out.transpose(0, 2, 1, 3), lse, gy, *gqkv_heads, ctx.scale)
-            return gqkv.reshape(B, T, 3 * H * D), None, None
-        p = ctx.saved[3]
+            return gqkv.reshape(B, T, 3 * H * D), None, None, None
+        p = ctx.saved[3] if ctx.saved[3] is not None else _attention_probabilities(q, k, ctx.scale)
         xp.matmul(xp.swapaxes(p, -1, -2), gy, out=gqkv_heads[2])
         ds = _softmax_backward(p, gy @ xp.swapaxes(v, -1, -2), axis=-1)
         ds *= ctx.scale
         xp.matmul(ds, k, out=gqkv_heads[0])
         xp.matmul(xp.swapaxes(ds, -1, -2), q, out=gqkv_heads[1])
-        return gqkv.reshape(B, T, 3 * H * D), None, None
+        return gqkv.reshape(B, T, 3 * H * D), None, None, None
+
+
+def _attention_probabilities(q: Any, k: Any, scale: float) -> Any:
+    """P = softmax(q kᵀ·scale + causal mask) per head: (B, H, T, T)."""
+    s = q @ xp.swapaxes(k, -1, -2)
+    s *= scale
+    s += _causal_mask(q.shape[-2], s.dtype)
+    return _softmax(s, axis=-1)
+
+
+class Recompute(Function):
+    """Full activation recomputation (gradient checkpointing, Chen et al. 2016): ``y = fn(x)`` keeping only x.
+
+    Forward runs ``fn`` without recording a graph, so none of its intermediate activations stay alive.
+    Backward runs ``fn`` again from the saved x with gradients on and backpropagates the incoming dy
+    through it: the parameters inside ``fn`` receive their gradients there, x's is returned. Costs one
+    more forward of ``fn`` per backward; the result is the same arithmetic, so the same numbers.
+    """
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, fn: Any) -> Any:
+        ctx.run = fn
+        with no_grad():
+            out = fn(Tensor(x))
+        ctx.save_for_backward(x)
+        return out.data
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        inp = Tensor(ctx.saved[0], requires_grad=True)
+        ctx.run(inp).backward(g)
+        return inp.grad, None
 
 
 _masks: dict[tuple, Any] = {}
@@ -579,6 +608,10 @@ def layer_norm(x, w, b, eps: float = 1e-5) -> Tensor: return LayerNorm.apply(x, 
 def gelu(x) -> Tensor: return GELU.apply(x)
 def embedding(idx, w) -> Tensor: return Embedding.apply(idx, w)
 def cross_entropy(logits, targets, ignore_index: int = -100) -> Tensor: return CrossEntropy.apply(logits, targets, ignore_index)
-def causal_self_attention(qkv, n_head: int, scale: float | None = None) -> Tensor:
-    """Causal multi-head attention of packed q|k|v with scores q·kᵀ·scale (default 1/√head_dim)."""
-    return CausalSelfAttention.apply(qkv, n_head, scale)
+def causal_self_attention(qkv, n_head: int, scale: float | None = None, recompute: bool = False) -> Tensor:
+    """Causal multi-head attention of packed q|k|v with scores q·kᵀ·scale (default 1/√head_dim); ``recompute``:
+    keep q, k, v only and compute the (T, T) probabilities again in backward (selective recomputation)."""
+    return CausalSelfAttention.apply(qkv, n_head, scale, recompute)
+
+
+def recompute(fn, x) -> Tensor: return Recompute.apply(x, fn)

@@ -28,7 +28,7 @@ from minipar.backend import KERNEL_MODES, memory_available, set_device, set_kern
 from minipar.checkpoint import Checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
 from minipar.comm import Communicator
 from minipar.data import Batches, load_tokens, shard_rows, split_tokens
-from minipar.models.gpt import GPT, GPTConfig, hf_config
+from minipar.models.gpt import GPT, RECOMPUTE, GPTConfig, hf_config
 from minipar.optim import AdamW, cosine_lr
 from minipar.parallel.compression import COMPRESSIONS, make_compressor
 from minipar.parallel.context_parallel import KINDS as CP_KINDS
@@ -84,6 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (matrices only)")
     run.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     run.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="parameters and activations")
+    run.add_argument("--recompute", choices=list(RECOMPUTE), default="none",
+                     help="activation recomputation: selective = attention probabilities, full = whole blocks")
     run.add_argument("--seed", type=int, default=0, help="initialization and data order")
 
     io = p.add_argument_group("data and output")
@@ -243,6 +245,12 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
     check_expert_parallel(cfg, args.ep, args.dp)
     if cfg.n_expert:
         check_mixture_of_experts(args)
+    if args.recompute == "selective" and args.cp > 1:
+        raise ValueError("--recompute selective recomputes the standard attention's probabilities; context "
+                         "parallelism's attention keeps its own (use --recompute full or none with --cp)")
+    if args.recompute == "full" and (cfg.n_expert or args.schedule == "zb-h1"):
+        raise ValueError("--recompute full is not supported with " + ("--n-expert (the balancing loss would be lost)"
+                         if cfg.n_expert else "--schedule zb-h1 (the recomputed backward cannot defer weights)"))
     args.cp_split = args.cp_split or ("zigzag" if args.cp_kind == "ring" else "contiguous")
     if args.cp > 1:
         check_context_parallel(cfg, args.cp, args.tp, args.cp_kind, args.cp_split)
@@ -301,6 +309,7 @@ def build_model(args: argparse.Namespace, cfg: GPTConfig, mesh: Mesh, resumed: C
         model = tensor_parallel(model, mesh.tp_comm, args.sp)
     if mesh.ep > 1:
         model = expert_parallel(model, mesh.ep_comm)
+    model.set_recompute(args.recompute)
     return context_parallel(model, mesh.cp_comm, args.cp_kind, args.cp_split) if mesh.cp > 1 else model
 
 

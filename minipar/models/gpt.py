@@ -89,6 +89,12 @@ class CausalSelfAttention(Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(self.core(self.c_attn(x), self.n_head, self.scale))
 
+    def recompute_scores(self) -> None:
+        """Selective recomputation: the attention probabilities are computed again in backward, not kept."""
+        if self.core is not ops.causal_self_attention:
+            raise ValueError("selective recomputation needs the standard attention (not context parallelism's)")
+        self.core = lambda qkv, n_head, scale: ops.causal_self_attention(qkv, n_head, scale, recompute=True)
+
 
 class MLP(Module):
     def __init__(self, cfg: GPTConfig):
@@ -107,7 +113,12 @@ class Block(Module):
         self.mlp = MoEMLP(cfg.n_embd, cfg.n_expert, cfg.expert_top_k, cfg.capacity_factor, cfg.dtype) \
             if cfg.n_expert else MLP(cfg)
 
+    recompute = False  # full recomputation: keep only the block's input, run it again in backward
+
     def forward(self, x: Tensor) -> Tensor:
+        return ops.recompute(self.body, x) if self.recompute else self.body(x)
+
+    def body(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -120,6 +131,23 @@ class Transformer(Module):
         self.ln_f = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
 
 
+RECOMPUTE = ("none", "selective", "full")
+
+
+def activation_elements(cfg: GPTConfig, batch: int, recompute: str = "none") -> int:
+    """Array elements one forward keeps for backward (one process, dense MLP, s = T, b = batch, h = C, a = heads):
+    every op's output stays alive in the graph until backward frees it. Per block: ln_1's x̂ and output (2sbh),
+    q|k|v (3sbh), the attention output (sbh) and probabilities (a·s²·b), c_proj (sbh), the residual (sbh), ln_2
+    (2sbh), c_fc (4sbh), GELU's output and tanh (8sbh), c_proj (sbh), the residual (sbh): 24sbh + a·s²·b, plus
+    2sb of layer-norm 1/σ. Around the blocks: the token and position embeddings and their sum (2sbh + sh),
+    ln_f (2sbh + sb), logits and probabilities (2bsV). Selective recomputation drops a·s²·b; full keeps only each block's output (sbh), and
+    in backward holds one block's activations at a time on top."""
+    s, b, h, a, L = cfg.block_size, batch, cfg.n_embd, cfg.n_head, cfg.n_layer
+    block = 24 * s * b * h + 2 * s * b + (0 if recompute == "selective" else a * s * s * b)
+    around = 4 * s * b * h + s * h + s * b + 2 * b * s * cfg.vocab_size
+    return L * (s * b * h if recompute == "full" else block) + around
+
+
 class GPT(Module):
     # the positions of the T tokens this rank is given: 0 … T−1, or its chunks of each sequence (context parallelism)
     given_positions = staticmethod(lambda T: xp.arange(T))
@@ -129,6 +157,20 @@ class GPT(Module):
         self.config = cfg
         self.transformer = Transformer(cfg)
         self._init_weights(seed)
+
+    def set_recompute(self, mode: str) -> GPT:
+        """Activation recomputation: "none"; "selective" (Korthikanti et al. 2022: the attention probabilities,
+        the largest and cheapest activations, are computed again in backward); "full" (every block keeps only
+        its input and runs again in backward)."""
+        if mode not in RECOMPUTE:
+            raise ValueError(f"unknown recomputation {mode!r}: expected one of {RECOMPUTE}")
+        if mode == "full" and self.config.n_expert:
+            raise ValueError("full recomputation would lose the experts' load-balancing loss: use selective")
+        for block in self.transformer.h:
+            block.recompute = mode == "full"
+            if mode == "selective":
+                block.attn.recompute_scores()
+        return self
 
     def _init_weights(self, seed: int) -> None:
         rng = np.random.default_rng(seed)
