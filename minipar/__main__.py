@@ -115,7 +115,7 @@ def plan_command(args: argparse.Namespace) -> None:
         predictions = [p for p in predictions if all(str(getattr(p.layout, k)) == v for k, v in wanted.items())]
         if not predictions:
             raise ValueError(f"no feasible-or-not layout matches {args.layout}")
-    flops = lambda layout: planner.megatron_flops(cfg, args.batch_size, layout.recompute)  # noqa: E731
+    flops = lambda layout: planner.megatron_flops(cfg, args.batch_size, layout.recompute_mode == "full")  # noqa: E731
     experts = f" E={cfg.n_expert} top-{cfg.expert_top_k}" if cfg.n_expert else ""
     print(f"GPT L={L} H={H} C={C} T={T} V={V}{experts} ({cfg.num_parameters() / 1e6:,.1f} M params), "
           f"batch {args.batch_size}, {args.dtype}, {args.world} × {profile.name} ({profile.memory / 1e9:.0f} GB)")
@@ -188,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--profile", help="a100-80gb, h100-80gb, or a profile JSON (default: this machine's calibration "
                                       "for --world ranks, measured on first use)")
     pl.add_argument("--memory-gb", type=float, help="override the profile's device memory")
-    pl.add_argument("--recompute", action="store_true", help="also consider activation recomputation (what-if)")
+    pl.add_argument("--recompute", action="store_true", help="also consider activation recomputation (selective and full)")
     pl.add_argument("--layout", help="show only layouts matching e.g. dp=8,tp=8,pp=16 (or cp=2,sp=True, ep=2)")
     pl.add_argument("--no-context", action="store_true",
                     help="leave out context and sequence parallelism (the published 2021 runs had neither)")

@@ -61,8 +61,8 @@ def test_cost_model_behaves():
 def test_gpt3_175b_on_1024_a100s_chooses_megatrons_layout():
     L, H, C, T, V = planner.PRESETS["gpt3-175b"]
     cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C)
-    ranked = planner.plan(cfg, 1024, 1536, planner.BUILTIN_PROFILES["a100-80gb"], itemsize=2, recompute=True,
-                          context=False, schedules=("1f1b",))  # Table 1's layouts: no cp, no sp; compared under 1F1B
+    ranked = planner.plan(cfg, 1024, 1536, planner.BUILTIN_PROFILES["a100-80gb"], itemsize=2, recompute=(False, True),
+                          context=False, schedules=("1f1b",))  # 2021: no cp/sp, full recompute; compared under 1F1B
     best = ranked[0]
     assert best.feasible and (best.layout.dp, best.layout.tp, best.layout.pp) == (8, 8, 16)
     assert best.layout.microbatches == 192  # microbatch size 1, as in Narayanan et al. 2021

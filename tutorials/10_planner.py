@@ -22,9 +22,9 @@ print(f"   -> {best}: the whole model fits on each GPU, so splitting it only add
 
 L, H, C, T, V = planner.PRESETS["gpt3-175b"]
 gpt3 = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C)
-ranked = planner.plan(gpt3, 1024, 1536, a100, itemsize=2, recompute=True, context=False,  # as in 2021: no cp, no sp,
-                      schedules=("1f1b",))  # and the layouts compared under 1F1B
-flops = lambda layout: planner.megatron_flops(gpt3, 1536, layout.recompute)  # noqa: E731
+ranked = planner.plan(gpt3, 1024, 1536, a100, itemsize=2, recompute=(False, True), context=False,  # as in 2021:
+                      schedules=("1f1b",))  # no cp, no sp, no selective recomputation; layouts compared under 1F1B
+flops = lambda layout: planner.megatron_flops(gpt3, 1536, layout.recompute_mode == "full")  # noqa: E731
 print(f"\n2. GPT-3 175B, batch 1536×2048, bf16, 1024 × A100-80GB: {len(ranked)} layouts, "
       f"{sum(p.feasible for p in ranked)} fit in memory")
 print(planner.format_plan(ranked, 5, flops))

@@ -4,7 +4,7 @@ step time predicted from a cost model of the hardware, ranked.
 Cost model, per optimizer step on the busiest device (t = b·T tokens per microbatch, b = B/(dp·m)):
 
     compute   per layer and microbatch  (2·t·12C² + 4·b·T²·C)·3 / tp  GEMM FLOPs at ``flops``
-              (×4/3 with activation recomputation), + the memory-bound passes (layer norms, GELU,
+              (×4/3 with full recomputation, + half the attention again with selective), + the memory-bound passes (layer norms, GELU,
               softmax, residuals: ``passes_act``·t·C + ``passes_att``·b·H·T² elements, ÷tp) at
               ``bandwidth``, + ``ops_per_layer`` launches at ``op_overhead``; the head adds 6·t·C·V/tp.
     tensor    4 ring all-reduces of t·C values per layer and microbatch: 2(tp−1)α + 2(tp−1)/tp·nβ each
@@ -37,7 +37,8 @@ s·b·h·(10 + 24/tp + 5·a·s/(h·tp)) at 2 bytes (Korthikanti et al. 2022; ×i
 parallelism s·b·h·(34/tp + 5·a·s/(h·tp)), with context parallelism s = T/cp per rank (Ulysses keeps the
 score term of the full T for a/cp heads: 5·a·T²/(cp·h·tp)), for the microbatches a stage holds at once
 (schedules.peak_microbatches: GPipe m, 1F1B and ZB-H1 min(pp, m), interleaved ((pp−1)·2 + (v−1)·pp + 1)/v),
-or just the layer inputs with recomputation, plus the logits of the last stage.
+without the 5·a·s/h term under selective recomputation, or just the layer inputs (+ one layer) with full
+recomputation, plus the logits of the last stage.
 A mixture-of-experts MLP holds its 4h-wide intermediates for c·k·s·b rows, whole on every tp rank:
 16·c·k instead of 16/tp of the linear term.
 """
@@ -132,15 +133,19 @@ class Layout:
     zero: int = 0
     microbatches: int = 1
     schedule: str = "1f1b"
-    recompute: bool = False  # modelled for what-if questions; minipar's engine does not recompute
+    recompute: bool | str = False  # "none" | "selective" | "full" (True: full, False: none), as --recompute
     cp: int = 1
     cp_kind: str = "ring"
     sp: bool = False
     ep: int = 1
     virtual_stages: int = 1
 
+    @property
+    def recompute_mode(self) -> str:
+        return {True: "full", False: "none"}.get(self.recompute, self.recompute)  # type: ignore[arg-type]
+
     def flags(self) -> list[str]:
-        return ["--dp", str(self.dp), "--tp", str(self.tp), "--pp", str(self.pp), "--zero", str(self.zero),
+        return ["--recompute", self.recompute_mode, "--dp", str(self.dp), "--tp", str(self.tp), "--pp", str(self.pp), "--zero", str(self.zero),
                 "--microbatches", str(self.microbatches), "--schedule", self.schedule, "--cp", str(self.cp),
                 "--cp-kind", self.cp_kind, *(["--sp"] if self.sp else []), "--ep", str(self.ep),
                 "--virtual-stages", str(self.virtual_stages)]
@@ -150,7 +155,7 @@ class Layout:
         cp += f"·ep{self.ep}" if self.ep > 1 else ""
         return (f"dp{self.dp}·tp{self.tp}{' sp' if self.sp else ''}·pp{self.pp}{cp} zero{self.zero} m{self.microbatches}"
                 + (f" {self.schedule}" if self.pp > 1 else "") + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
-                + (" recompute" if self.recompute else ""))
+                + (f" recompute-{self.recompute_mode}" if self.recompute_mode != "none" else ""))
 
 
 @dataclass
@@ -180,11 +185,13 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     b = batch_size / (dp * m)
     t = b * T / cp  # tokens per rank and microbatch
     share = profile.contention if profile.cores else 1.0  # CPU: the ranks time-share the cores
-    passes = 4.0 if layout.recompute else 3.0  # forward + backward (+ the forward again)
+    recompute = layout.recompute_mode
+    passes = 4.0 if recompute == "full" else 3.0  # forward + backward (+ the forward again)
 
     attention_flops = 4 * b * T * T * C / (tp * cp)
     mlp_rows = expert_rows(cfg, t) if cfg.n_expert else t / tp  # a mixture-of-experts MLP is whole on every tp rank
     layer_flops = (2 * t * 4 * C * C / tp + 2 * mlp_rows * 8 * C * C + attention_flops) * passes
+    layer_flops += attention_flops / 2 if recompute == "selective" else 0.0  # q·kᵀ again for the probabilities
     layer_bytes = (profile.passes_act * t * C + profile.passes_att * b * H * T * T / cp) / tp * itemsize * passes / 3
     flops = profile.gemm_flops(t)
     layer_time = (layer_flops / flops + layer_bytes / profile.bandwidth + profile.ops_per_layer * profile.op_overhead)
@@ -270,10 +277,12 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
     if cfg.n_expert:
         linear += 16 * (cfg.capacity_factor * cfg.expert_top_k - 1 / tp)
     scores = 5 * H * T * T / (cp * s * C * tp) if layout.cp_kind == "ulysses" else 5 * H * s / (C * tp)
+    if layout.recompute_mode == "selective":  # the attention probabilities are not kept (Korthikanti et al.)
+        scores = 0.0
     per_layer_act = s * b * C * (linear + scores) * itemsize / 2
     in_flight = 1 if pp == 1 else peak_microbatches(layout.schedule, pp, m, layout.virtual_stages)
     layers = math.ceil(L / pp)
-    if layout.recompute:
+    if layout.recompute_mode == "full":
         activations = (layers * t * C * itemsize + per_layer_act) * in_flight
     else:
         activations = layers * per_layer_act * in_flight
@@ -292,12 +301,13 @@ def context_options(cfg: Any, cp: int, tp: int) -> list[tuple[str, bool]]:
     return [(kind, s) for kind in kinds for s in sp]
 
 
-def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool = False,
+def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool | tuple = False,
                       context: bool = True, schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")) -> list[Layout]:
     """Every layout the engine accepts: dp·tp·pp·cp = world, tp | n_head and 4C, pp ≤ n_layer, cp splits T
     (and the heads, for Ulysses), sp with tp ≥ 2, dp·m | batch, ZeRO needs dp·cp ≥ 2 and is 0/1 with pp > 1;
     microbatches 1, 2, 4, … and B/dp (b = 1); with experts, ep | dp and ep | E, and no pp, cp or sp; with
-    pp ≥ 2 each of ``schedules`` (interleaved: 2 chunks per rank, m a multiple of pp, n_layer ≥ 2·pp).
+    pp ≥ 2 each of ``schedules`` (interleaved: 2 chunks per rank, m a multiple of pp, n_layer ≥ 2·pp); with
+    ``recompute`` (True, or a tuple of Layout.recompute values) the recomputation modes too.
     ``context=False`` leaves out context and sequence parallelism."""
     layouts = []
     moe = bool(getattr(cfg, "n_expert", 0))
@@ -320,7 +330,11 @@ def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool = F
                     for zero in range(4):
                         if (zero and dp * cp == 1) or (zero >= 2 and pp > 1) or (moe and sp):
                             continue
-                        for m, r, ep in itertools.product(counts, (False, True) if recompute else (False,), experts):
+                        modes = recompute if isinstance(recompute, tuple) else (False, "selective", True) if recompute \
+                            else (False,)  # False: none, True: full
+                        if cp > 1:  # selective recomputes the standard attention only
+                            modes = tuple(r for r in modes if r != "selective")
+                        for m, r, ep in itertools.product(counts, modes, experts):
                             for schedule, v in pipeline_options(cfg, pp, m, schedules):
                                 layouts.append(Layout(dp, tp, pp, zero, m, schedule, r, cp, kind, sp, ep, v))
     return layouts
@@ -335,7 +349,7 @@ def pipeline_options(cfg: Any, pp: int, m: int, schedules: tuple[str, ...]) -> l
 
 
 def plan(cfg: Any, world: int, batch_size: int, profile: Profile, itemsize: int = 4,
-         recompute: bool = False, context: bool = True,
+         recompute: bool | tuple = False, context: bool = True,
          schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")) -> list[Prediction]:
     """All layouts, feasible ones first, each group by predicted step time."""
     predictions = [predict(cfg, batch_size, lay, profile, itemsize)
