@@ -123,6 +123,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                      help="model chunks per pipeline rank (--schedule interleaved): rank r holds chunks r, r+pp, …")
     par.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (with --dp)")
+    par.add_argument("--shard-group", type=int, metavar="K",
+                     help="hybrid sharding (with --zero): shard within groups of K data-parallel ranks, replicate "
+                          "across groups (default: shard over all of them)")
     par.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for DP / ZeRO-1/2")
     par.add_argument("--compression", choices=list(COMPRESSIONS), default="none",
                      help="compress data-parallel gradients (with --dp, --zero 0)")
@@ -135,7 +138,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--staleness", type=int, default=0, help="local SGD: apply each round's average τ rounds later")
     par.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto timeline")
     par.add_argument("--auto", action="store_true",
-                     help="let the planner choose --dp/--tp/--pp/--zero/--microbatches for this many ranks")
+                     help="let the planner choose the layout (dp/tp/pp/cp/sp/ep, schedule, zero, shard group, microbatches) for this many ranks")
     par.add_argument("--profile", help="hardware profile for --auto (default: this machine's, calibrated if missing)")
 
 
@@ -154,7 +157,8 @@ def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
                 print(f"auto: calibrated this machine for {world.size} rank(s) -> {path}", flush=True)
     if world.rank == 0:
         cfg = model_config(args)
-        ranked = planner.plan(cfg, world.size, args.batch_size, profile, planner.ITEMSIZE[args.dtype])
+        recompute = {"none": False, "full": True}.get(args.recompute, args.recompute)  # the user's --recompute
+        ranked = planner.plan(cfg, world.size, args.batch_size, profile, planner.ITEMSIZE[args.dtype], (recompute,))
         best = ranked[0]
         if not best.feasible:
             raise ValueError(f"no layout of {world.size} ranks fits in {profile.memory / 1e9:.1f} GB per device")
@@ -167,6 +171,7 @@ def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
     args.microbatches, args.schedule = choice["microbatches"], choice["schedule"]
     args.cp, args.cp_kind, args.sp, args.cp_split = choice["cp"], choice["cp_kind"], choice["sp"], None
     args.ep, args.virtual_stages = choice["ep"], choice["virtual_stages"]
+    args.shard_group = choice["shard_group"] or None
     if world.rank == 0 and not args.json:
         print(f"auto: {planner.Layout(**{k: choice[k] for k in dataclasses.asdict(best.layout)})}"
               f" of {choice['candidates']} layouts, predicted {choice['step_ms']:.1f} ms/step, "
@@ -213,6 +218,14 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
                          f"= {args.dp}·{args.microbatches}")
     if args.zero and args.dp * args.cp == 1:
         raise ValueError("--zero shards over the data- and context-parallel ranks: it needs --dp or --cp >= 2")
+    if args.shard_group is not None:
+        if not args.zero:
+            raise ValueError("--shard-group chooses how ZeRO shards: use it with --zero 1, 2 or 3")
+        if args.shard_group < 1 or (args.dp * args.cp) % args.shard_group:
+            raise ValueError(f"--shard-group {args.shard_group} must divide the {args.dp * args.cp} data-parallel "
+                             "replicas (dp·cp)")
+        if args.ep > 1:
+            raise ValueError("--shard-group with --ep is not supported yet")
     if args.compression != "none" and args.zero:
         raise ValueError("--compression plugs into plain data parallelism: use it with --zero 0")
     make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)  # validates the numbers
@@ -285,7 +298,8 @@ def check_memory(cfg: GPTConfig, args: argparse.Namespace, world_size: int) -> N
     itemsize = planner.ITEMSIZE[args.dtype]
     layout = planner.Layout(args.dp, args.tp, args.pp, args.zero, args.microbatches, args.schedule, cp=args.cp,
                             cp_kind=args.cp_kind, sp=args.sp, ep=args.ep,
-                            virtual_stages=args.virtual_stages)
+                            virtual_stages=args.virtual_stages, shard_group=args.shard_group or 0,
+                            recompute=args.recompute)
     states, activations = planner.memory_per_rank(cfg, args.batch_size, layout, itemsize)
     per_rank = states * itemsize / 4 + activations  # the planner's 16Ψ counts 4-byte words
     # on the CPU the ranks on this machine share its memory; on GPUs each rank has its own device
@@ -339,13 +353,13 @@ def build_engine(model: GPT, mesh: Mesh, args: argparse.Namespace) -> tuple[Any,
     """(engine, optimizer) over the data-parallel group: DataParallel + AdamW, or ZeRO, which is both; expert
     parameters reduce over their own replicas. With --local-sgd the replicas do not synchronize gradients at
     all (LocalSGD averages them later)."""
-    comm, experts = mesh.grad_comm, mesh.expert_grad_comm
+    comm, experts = mesh.grad_comm, (mesh.expert_grad_comm if mesh.ep > 1 else None)
     if args.local_sgd:
         alone = comm.split(color=comm.rank, name="local")
         return DataParallel(model, alone), AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if args.zero:
-        engine = ZeRO(model, comm, args.zero, lr=args.lr, weight_decay=args.weight_decay, bucket_mb=args.bucket_mb,
-                      expert_comm=experts)
+        engine = ZeRO(model, mesh.shard_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
+                      bucket_mb=args.bucket_mb, expert_comm=experts, replicas=mesh.shard_replica_comm)
         return engine, engine
     compression = make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)
     return (DataParallel(model, comm, args.bucket_mb, compression=compression, expert_comm=experts),
@@ -599,9 +613,10 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     set_kernels(args.kernels)
     block = cfg.block_size
     tokens, batches, val_batches, data_note = load_data(args, block)
-    mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep)
+    mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, shard_group=args.shard_group)
     comms = list(dict.fromkeys([world, mesh.dp_comm, mesh.cp_comm, mesh.tp_comm, mesh.pp_comm, mesh.grad_comm,
-                                mesh.ep_comm, mesh.expert_grad_comm]))
+                                mesh.ep_comm, mesh.expert_grad_comm, mesh.shard_comm,
+                                *([mesh.shard_replica_comm] if mesh.shard_replica_comm else [])]))
     model = build_model(args, cfg, mesh, resumed)
     pipeline = Pipeline(model, mesh.pp_comm, args.schedule, args.virtual_stages)
     engine, optimizer = build_engine(model, mesh, args)
@@ -618,6 +633,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     layout += (f" {args.cp_kind} {args.cp_split}" if mesh.cp > 1 else "") + (" sp" if args.sp else "")
     layout += f" {args.schedule}" + (f" v={args.virtual_stages}" if args.virtual_stages > 1 else "") if mesh.pp > 1 else ""
     layout += f" zero-{args.zero}" if args.zero else ""
+    layout += f" shard-group {args.shard_group}" if args.shard_group else ""
     experts = f" E={cfg.n_expert} top-{cfg.expert_top_k}" if cfg.n_expert else ""
     progress.say(f"minipar: GPT {cfg.num_parameters():,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} "
                  f"T={block}{experts}), {len(tokens):,} tokens, batch {args.batch_size}×{block}, {args.dtype} on "

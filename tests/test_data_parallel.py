@@ -61,6 +61,31 @@ def test_model_state_memory_drops_with_zero_stage(tmp_path):
     assert states[3]["params"] <= 1.01 * psi_bytes / p
 
 
+@pytest.mark.parametrize("dp,zero,k", [(4, 3, 2), (4, 1, 2), (4, 2, 2), (6, 3, 3), (6, 3, 2), (4, 3, 1)])
+def test_hybrid_sharding_matches_single_process(tmp_path, reference, dp, zero, k):
+    """--shard-group K: shard within groups of K, replicate across dp/K groups; the same training, the counted
+    bytes of the formula, and model state 16Ψ/K (stage 3) instead of 16Ψ/dp."""
+    batch = ["--batch-size", "12"] if dp == 6 else []
+    result = train(tmp_path, "hsdp", ranks=dp, extra=["--zero", str(zero), "--shard-group", str(k), *batch])
+    assert_same_training(result, train(tmp_path, "single", extra=batch) if dp == 6 else reference[1])
+    psi_bytes = 8 * sum(a.size for a in result[1].values())  # one float64 copy of the parameters
+    for r in result[0]:
+        assert abs(r["comm_bytes"] - r["comm_formula_bytes"]) <= 8 * dp * 64, (r["comm_bytes"], r["comm_formula_bytes"])
+        assert r["comm_bytes_by_op"]["grads"] > 0
+    if zero == 3:
+        assert sum(result[0][-1]["model_state_bytes"].values()) == pytest.approx(4 * psi_bytes / k, rel=0.02)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--zero", "1", "--shard-group", "3"], "--shard-group 3 must divide the 4 data-parallel replicas"),
+    (["--shard-group", "2"], "--shard-group chooses how ZeRO shards: use it with --zero 1, 2 or 3"),
+])
+def test_bad_shard_group(args, message):
+    with pytest.raises(AssertionError) as err:
+        run_command(4, [sys.executable, "-m", "minipar", "train", *MODEL, *args], timeout=60)
+    assert str(err.value).count(message) == 1 and "exit 2" in str(err.value)
+
+
 # ------------------------------------------------------------------------- library-level checks
 
 

@@ -18,6 +18,10 @@ coordinate splits as dp_rank = edp_rank · ep + ep_rank, so runs of ep consecuti
 over the ranks with the same ep_rank — ``expert_grad_comm``, dp/ep × cp ranks — where their
 gradients reduce. With ep = 1 it is ``grad_comm``.
 
+Hybrid sharding (``shard_group`` K, FSDP's HYBRID_SHARD): ZeRO shards within runs of K consecutive
+grad_comm ranks (``shard_comm``) and replicates across the N/K runs (``shard_replica_comm``, the ranks
+with the same position in their run). Without it ZeRO shards over all of grad_comm.
+
     mesh = Mesh(Communicator(), dp=2, tp=2, pp=2)   # 8 ranks
     mesh.tp_comm, mesh.dp_comm, mesh.pp_comm        # this rank's groups (and cp_comm, grad_comm, ep_comm, ...)
 """
@@ -30,7 +34,8 @@ _FINE_AXES = ("pp", "edp", "ep", "cp", "tp")  # dp = edp × ep
 
 
 class Mesh:
-    def __init__(self, world: Communicator, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1):
+    def __init__(self, world: Communicator, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                 shard_group: int | None = None):
         sizes = {"pp": pp, "dp": dp, "cp": cp, "tp": tp, "ep": ep}
         for name, size in sizes.items():
             if size < 1:
@@ -55,6 +60,14 @@ class Mesh:
         self.grad_comm = self.dp_comm if cp == 1 else self._group(["edp", "ep", "cp"], fine, "dp·cp")
         self.ep_comm = self._group(["ep"], fine)
         self.expert_grad_comm = self.grad_comm if ep == 1 else self._group(["edp", "cp"], fine, "expert dp")
+        replicas = dp * cp
+        k = shard_group or replicas
+        if k < 1 or replicas % k:
+            raise ValueError(f"--shard-group {k} must divide the {replicas} data-parallel replicas (dp·cp)")
+        self.shard_comm = self.grad_comm if k == replicas else self.grad_comm.split(
+            color=self.grad_comm.rank // k, name="shard")
+        self.shard_replica_comm = self.grad_comm.split(color=self.grad_comm.rank % k, name="shard replicas") \
+            if k < replicas else None
 
     def _group(self, axes: list[str], coords: dict[str, int], name: str | None = None) -> Communicator:
         """The ranks whose coordinates differ from this rank's only along ``axes`` (key: their order there)."""

@@ -32,6 +32,13 @@ owns chunk r of every group (``numpy.array_split`` bounds, so sizes need not div
 Gradient accumulation: stage 1 honours ``no_sync()`` (full gradients accumulate locally); stages
 2-3 reduce-scatter on every backward and accumulate into the shard, as DeepSpeed does.
 
+Hybrid sharding (``replicas``, FSDP's HYBRID_SHARD / HSDP): ``comm`` is one group of K ranks that
+shards the state, and ``replicas`` joins the N/K groups' ranks holding the same shard. A gradient is
+reduce-scattered within the group (average over K), then its shard all-reduced across the groups
+(average over N/K) — together the average over all N ranks — on the communication thread, one after
+the other. Per rank: model state 16Ψ/K (stage 3), bytes sent (3(K−1)/K + 2(R−1)/R·1/K)·Ψ·itemsize with
+R = N/K: the shard-size all-reduce is the price of keeping the all-gathers inside a group (a node).
+
 Expert parallelism: expert parameters are sharded over ``expert_comm`` (the ranks holding the same
 experts) instead of ``comm``, each group's gradient scaled as data_parallel.replica_groups says; every
 shard carries its own communicator, and a stage-3 unit with both kinds holds one shard of each.
@@ -109,14 +116,19 @@ class ZeRO(ReplicatedModel, Optimizer):
 
     def __init__(self, model: Module, comm: Communicator, stage: int, lr: float = 3e-4,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
-                 bucket_mb: float = 25.0, expert_comm: Communicator | None = None):
+                 bucket_mb: float = 25.0, expert_comm: Communicator | None = None,
+                 replicas: Communicator | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         ReplicatedModel.__init__(self, model)
         Optimizer.__init__(self, self.params, lr)
-        self.comm, self.stage = comm, stage
+        if replicas is not None and expert_comm is not None and expert_comm is not comm:
+            raise ValueError("hybrid sharding (--shard-group) with expert parallelism is not supported")
+        self.comm, self.stage, self.replicas = comm, stage, replicas if replicas is not None and replicas.size > 1 else None
         self.beta1, self.beta2, self.eps = betas[0], betas[1], eps
         broadcast_parameters(replica_groups(self.params, comm, expert_comm))
+        if self.replicas:  # every group from the same start
+            broadcast_parameters([(self.params, self.replicas, 1.0)])
         wd = float(weight_decay)
         if stage < 3:
             self.shards = [Shard(b, wd) for params, c, scale in replica_groups(gradient_ready_order(model), comm, expert_comm)
@@ -179,8 +191,14 @@ class ZeRO(ReplicatedModel, Optimizer):
     def _launch(self, shard: Shard) -> None:
         grads = [p.grad if p.grad is not None else xp.zeros(shape, shard.bucket.dtype)
                  for p, shape in zip(shard.bucket.params, shard.bucket.shapes)]
-        shard.pending.append(shard.comm.reduce_scatter(shard.bucket.flatten(grads), op="avg", async_op=True,
-                                                       algorithm="ring", label="grads"))
+        flat = shard.bucket.flatten(grads)
+        if self.replicas is None:
+            handle = shard.comm.reduce_scatter(flat, op="avg", async_op=True, algorithm="ring", label="grads")
+        else:  # within the group, then across the groups: on the communication thread, in this order
+            handle = shard.comm.submit(lambda: self.replicas.all_reduce(
+                shard.comm.reduce_scatter(flat, op="avg", algorithm="ring", label="grads"), op="avg", algorithm="ring",
+                label="grads"))
+        shard.pending.append(handle)
         shard.ready = 0
         if self.stage >= 2:
             for p in shard.bucket.params:
@@ -241,9 +259,15 @@ class ZeRO(ReplicatedModel, Optimizer):
 
     # ------------------------------------------------------------------------------- reporting
     def formula_bytes(self) -> float:
-        """Bytes one rank should send per step: (2 or 3)(p−1)/p·Ψ·itemsize (ZeRO paper, §7), per replica group."""
-        return sum((3 if self.stage == 3 else 2) * (s.comm.size - 1) / s.comm.size * s.bucket.size
-                   * np.dtype(s.bucket.dtype).itemsize for s in self.shards)
+        """Bytes one rank should send per step: (2 or 3)(p−1)/p·Ψ·itemsize (ZeRO paper, §7), per replica group;
+        with hybrid sharding also 2(R−1)/R times its shard for the all-reduce across the R groups."""
+        total = 0.0
+        for s in self.shards:
+            itemsize = np.dtype(s.bucket.dtype).itemsize
+            total += (3 if self.stage == 3 else 2) * (s.comm.size - 1) / s.comm.size * s.bucket.size * itemsize
+            if self.replicas:
+                total += 2 * (self.replicas.size - 1) / self.replicas.size * (s.hi - s.lo) * itemsize
+        return total
 
     def model_state_bytes(self, optimizer: Any = None) -> dict[str, int]:
         """Counted bytes of the live parameter, gradient and optimizer-state arrays on this rank."""
