@@ -146,3 +146,14 @@ def test_pipeline_schedules_as_layout_options():
     acts = {s: p.breakdown["activations"] for s, p in pred.items()}
     assert acts["gpipe"] > acts["interleaved"] > acts["1f1b"] == acts["zb-h1"]
     assert "zb-h1" in str(planner.Layout(1, 1, 4, 0, 8, "zb-h1")) and "v2" in str(planner.Layout(1, 1, 4, 0, 8, "interleaved", virtual_stages=2))
+
+
+def test_hybrid_sharding_terms():
+    """--shard-group K: ZeRO-3 states 16Ψ/K; its data time adds the cross-group all-reduce of a shard."""
+    profile = planner.BUILTIN_PROFILES["a100-80gb"]
+    psi = planner.stage_parameters(CFG, 1)
+    full, hybrid = (planner.predict(CFG, 64, planner.Layout(8, 1, 1, 3, 1, shard_group=k), profile) for k in (0, 2))
+    assert full.breakdown["model_states"] == pytest.approx(16 * psi / 8)
+    assert hybrid.breakdown["model_states"] == pytest.approx(16 * psi / 2)
+    assert planner.Layout(8, 1, 1, 3, 1, shard_group=2) in planner.enumerate_layouts(CFG, 8, 64)
+    assert planner.Layout(8, 1, 1, 3, 1, shard_group=2).flags()[-2:] == ["--shard-group", "2"]

@@ -13,7 +13,8 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
               (p−1)/(3m+p−1)): m·slot/(1 − f); per microbatch and chunk boundary one activation
               forward, one gradient back: 2v(α + t·C·itemsize·β)
     data      ring all-reduce of the rank's Ψ_l = Ψ_stage/tp parameters, 2(dp−1)/dp·Ψ_l·itemsize·β, of
-              which ``overlap`` hides behind backward; ZeRO-3 adds the forward all-gathers, exposed
+              which ``overlap`` hides behind backward (hybrid sharding over K: the ring within K ranks,
+              then an all-reduce of Ψ_l/K across the dp/K groups); ZeRO-3 adds the forward all-gathers, exposed
               (minipar gathers a block when it is needed, without prefetching); + the AdamW pass
     context   cp ranks split each sequence: per rank t/cp tokens and 1/cp of the attention FLOPs (zigzag
               balances the causal work). Ring: per layer and microbatch cp−1 exchanges of K|V
@@ -139,6 +140,7 @@ class Layout:
     sp: bool = False
     ep: int = 1
     virtual_stages: int = 1
+    shard_group: int = 0  # hybrid sharding: ZeRO shards within groups of this many replicas (0: all of them)
 
     @property
     def recompute_mode(self) -> str:
@@ -148,13 +150,15 @@ class Layout:
         return ["--recompute", self.recompute_mode, "--dp", str(self.dp), "--tp", str(self.tp), "--pp", str(self.pp), "--zero", str(self.zero),
                 "--microbatches", str(self.microbatches), "--schedule", self.schedule, "--cp", str(self.cp),
                 "--cp-kind", self.cp_kind, *(["--sp"] if self.sp else []), "--ep", str(self.ep),
-                "--virtual-stages", str(self.virtual_stages)]
+                "--virtual-stages", str(self.virtual_stages), *(["--shard-group", str(self.shard_group)]
+                                                               if self.shard_group else [])]
 
     def __str__(self) -> str:
         cp = f"·cp{self.cp} {self.cp_kind}" if self.cp > 1 else ""
         cp += f"·ep{self.ep}" if self.ep > 1 else ""
         return (f"dp{self.dp}·tp{self.tp}{' sp' if self.sp else ''}·pp{self.pp}{cp} zero{self.zero} m{self.microbatches}"
                 + (f" {self.schedule}" if self.pp > 1 else "") + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+                + (f" hsdp{self.shard_group}" if self.shard_group else "")
                 + (f" recompute-{self.recompute_mode}" if self.recompute_mode != "none" else ""))
 
 
@@ -211,8 +215,10 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     replicas = dp * cp  # gradients reduce, and ZeRO shards, over dp×cp (experts: over dp×cp/ep)
     dp_comm = optimizer_words = 0.0
     for psi, group in local_parameter_groups(cfg, layout):
-        dp_comm += _ring_all_reduce(psi * itemsize, group, profile.link(group, replicas * tp))
-        optimizer_words += 7 * 4 * psi / (group if layout.zero else 1)
+        shards = layout.shard_group or group  # hybrid sharding: RS/AG within K ranks, all-reduce of Ψ/K across
+        dp_comm += _ring_all_reduce(psi * itemsize, shards, profile.link(shards, shards * tp))
+        dp_comm += _ring_all_reduce(psi / shards * itemsize, group // shards, profile.link(group // shards, replicas * tp))
+        optimizer_words += 7 * 4 * psi / (shards if layout.zero else 1)
     exposed_dp = dp_comm * (1 - profile.overlap) + (dp_comm / 2 * m if layout.zero == 3 else 0.0)
     optimizer = optimizer_words / profile.bandwidth * share
     step = pipeline_time + exposed_dp + optimizer
@@ -271,8 +277,10 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
     b = batch_size / (dp * m)
     s = T / cp  # positions per rank
     t = b * s
-    states = sum({0: 16 * psi, 1: 8 * psi + 12 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[layout.zero]
-                 for psi, n in local_parameter_groups(cfg, layout))  # ZeRO shards each group over its replicas
+    states = 0.0
+    for psi, n in local_parameter_groups(cfg, layout):  # ZeRO shards each group over its replicas (or K of them)
+        n = layout.shard_group or n
+        states += {0: 16 * psi, 1: 8 * psi + 12 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[layout.zero]
     linear = 34 / tp if layout.sp else 10 + 24 / tp
     if cfg.n_expert:
         linear += 16 * (cfg.capacity_factor * cfg.expert_top_k - 1 / tp)
@@ -336,8 +344,15 @@ def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool | t
                             modes = tuple(r for r in modes if r != "selective")
                         for m, r, ep in itertools.product(counts, modes, experts):
                             for schedule, v in pipeline_options(cfg, pp, m, schedules):
-                                layouts.append(Layout(dp, tp, pp, zero, m, schedule, r, cp, kind, sp, ep, v))
+                                for k in shard_groups(dp * cp, zero, ep):
+                                    layouts.append(Layout(dp, tp, pp, zero, m, schedule, r, cp, kind, sp, ep, v, k))
     return layouts
+
+
+def shard_groups(replicas: int, zero: int, ep: int) -> list[int]:
+    """0 (shard over all replicas) and, for ZeRO-3 without experts, hybrid groups of 2, 4, … < replicas ranks."""
+    hybrid = [k for k in (2 ** i for i in range(1, 20)) if k < replicas and replicas % k == 0] if zero == 3 and ep == 1 else []
+    return [0, *hybrid]
 
 
 def pipeline_options(cfg: Any, pp: int, m: int, schedules: tuple[str, ...]) -> list[tuple[str, int]]:
