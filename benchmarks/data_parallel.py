@@ -3,7 +3,8 @@
     mpiexec -n 2 python benchmarks/data_parallel.py [--n-embd 256 --n-layer 4 --batch-size 8]
 
 "compute" is the same step on the same local batch with no communication (a 1-rank
-communicator); "exposed comm" = step − compute: the communication the step had to wait for.
+communicator); "exposed comm" = step − compute: the communication the step had to wait for;
+"param wait" (ZeRO-3): the time the step waited for whole parameters, with and without prefetch.
 """
 import argparse
 import time
@@ -38,16 +39,19 @@ def main() -> None:
         model = GPT(cfg)
         comm = alone if name == "compute" else world
         if name.startswith("zero"):
-            engine = ZeRO(model, comm, int(name[-1]), bucket_mb=args.bucket_mb)
+            engine = ZeRO(model, comm, int(name[5]), bucket_mb=args.bucket_mb, prefetch="no prefetch" not in name)
             return engine, engine
         return DataParallel(model, comm, args.bucket_mb, overlap=name != "dp, no overlap"), AdamW(model.parameters())
 
     engines = {}
 
+    waits = {}
+
     def step_ms(name: str) -> float:
         engine, opt = engines.setdefault(name, engine_for(name))
         times = []
         for _ in range(args.steps):
+            engine.gather_wait_s = 0.0  # ZeRO-3: time spent waiting for whole parameters this step
             world.mpi.Barrier()
             t0 = time.perf_counter()
             _, loss = engine(x, x)
@@ -56,9 +60,11 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
             times.append(world.mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+            if name.startswith("zero-3"):
+                waits[name] = min(waits.get(name, float("inf")), world.mpi.allreduce(engine.gather_wait_s, op=MPI.MAX))
         return 1e3 * min(times)
 
-    names = ["compute", "dp, overlap", "dp, no overlap", "zero-1", "zero-2", "zero-3"]
+    names = ["compute", "dp, overlap", "dp, no overlap", "zero-1", "zero-2", "zero-3", "zero-3, no prefetch"]
     step_ms(names[0])  # warm up the allocator and the BLAS
     results = {n: float("inf") for n in names}
     for _ in range(args.rounds):  # interleaved rounds: a shared machine's slow spells hit every mode alike
@@ -68,9 +74,10 @@ def main() -> None:
         psi = GPT(cfg).num_parameters()
         print(f"p = {world.size}, GPT {psi:,} params, local batch {args.batch_size}×{args.block_size}, "
               f"buckets {args.bucket_mb} MiB, best of {args.rounds}×{args.steps} steps")
-        print(f"{'mode':<16}{'step ms':>9}{'exposed comm ms':>17}")
+        print(f"{'mode':<20}{'step ms':>9}{'exposed comm ms':>17}{'param wait ms':>15}")
         for n in names:
-            print(f"{n:<16}{results[n]:>9.1f}{results[n] - results['compute']:>17.1f}")
+            wait = f"{waits[n] * 1e3:.1f}" if n in waits else "–"
+            print(f"{n:<20}{results[n]:>9.1f}{results[n] - results['compute']:>17.1f}{wait:>15}")
 
 
 if __name__ == "__main__":

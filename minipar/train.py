@@ -126,6 +126,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--shard-group", type=int, metavar="K",
                      help="hybrid sharding (with --zero): shard within groups of K data-parallel ranks, replicate "
                           "across groups (default: shard over all of them)")
+    par.add_argument("--no-prefetch", action="store_true",
+                     help="ZeRO-3: gather each block's parameters only when it runs, not one block ahead")
     par.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for DP / ZeRO-1/2")
     par.add_argument("--compression", choices=list(COMPRESSIONS), default="none",
                      help="compress data-parallel gradients (with --dp, --zero 0)")
@@ -359,7 +361,8 @@ def build_engine(model: GPT, mesh: Mesh, args: argparse.Namespace) -> tuple[Any,
         return DataParallel(model, alone), AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if args.zero:
         engine = ZeRO(model, mesh.shard_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
-                      bucket_mb=args.bucket_mb, expert_comm=experts, replicas=mesh.shard_replica_comm)
+                      bucket_mb=args.bucket_mb, expert_comm=experts, replicas=mesh.shard_replica_comm,
+                      prefetch=not args.no_prefetch)
         return engine, engine
     compression = make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)
     return (DataParallel(model, comm, args.bucket_mb, compression=compression, expert_comm=experts),

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from minipar.testing import assert_same_training, run_command, train_cli
+from minipar.testing import assert_same_training, run_command, run_ranks, train_cli
 
 MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
          "--steps", "20", "--eval-interval", "0", "--json", "--lr", "3e-3", "--warmup", "5", "--bucket-mb", "0.01"]
@@ -87,6 +87,58 @@ def test_bad_shard_group(args, message):
 
 
 # ------------------------------------------------------------------------- library-level checks
+
+
+def _zero3_prefetch():
+    """Forward and backward: while a block computes, the next block's all-gather is already issued (except at
+    the ends), at most two blocks are whole at once; the result equals ZeRO-3 without prefetch."""
+    from minipar.comm import Communicator
+    from minipar.models.gpt import GPT, GPTConfig
+    from minipar.parallel.zero import ZeRO
+
+    comm = Communicator()
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=16, dtype="float64")
+    x = np.random.default_rng(comm.rank).integers(0, 64, (2, 16))
+    states = {}
+    for prefetch in (False, True):
+        model = GPT(cfg, seed=0)
+        engine = ZeRO(model, comm, 3, prefetch=prefetch)
+        blocks = list(model.transformer.h)
+        seen = []
+
+        def probe(module, out, i):
+            whole = [j for j, b in enumerate(blocks) if b.ln_1.weight.data.size > 0]
+            ahead = [j for j, b in enumerate(blocks) if engine.shards[len(blocks) - 1 - j].prefetch is not None]
+            seen.append((i, whole, ahead))
+            return out
+        for i, block in enumerate(blocks):
+            block.attn.register_forward_hook(lambda m, out, i=i: probe(m, out, i))
+        gathered, original = [], engine._gather
+
+        def traced(shard, direction):  # which unit was gathered, in which pass, and whose all-gather is in flight
+            original(shard, direction)
+            unit = lambda s: len(blocks) - 1 - engine.shards.index(s)  # noqa: E731  (the root: -1)
+            gathered.append((direction, unit(shard), [unit(t) for t in engine.shards if t.prefetch is not None]))
+        engine._gather = traced
+        for _ in range(2):
+            _, loss = engine(x, x)
+            loss.backward()
+            engine.sync_gradients()
+            engine.step()
+            engine.zero_grad()
+        states[prefetch] = engine.gathered_state_dict()
+        for i, whole, ahead in seen:
+            assert whole == [i]  # forward: the block in hand only (the next one is in flight, not yet whole)
+            assert ahead == ([i + 1] if prefetch and i + 1 < len(blocks) else []), (prefetch, i, ahead)
+        backward = [(unit, ahead) for direction, unit, ahead in gathered if direction < 0 and unit >= 0]
+        assert [unit for unit, _ in backward] == [3, 2, 1, 0] * 2
+        assert all(ahead == ([unit - 1] if prefetch and unit > 0 else []) for unit, ahead in backward), backward
+    for name, value in states[False].items():
+        np.testing.assert_allclose(states[True][name], value, rtol=1e-12, err_msg=name)
+
+
+def test_zero3_prefetches_one_unit_ahead():
+    run_ranks(2, _zero3_prefetch)
 
 
 def _exact_bytes_and_overlap():

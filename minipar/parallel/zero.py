@@ -28,6 +28,10 @@ owns chunk r of every group (``numpy.array_split`` bounds, so sizes need not div
 * Stage 3 keeps only the shard. A forward pre-hook all-gathers a unit's parameters, a forward hook
   frees them and wraps the unit's output in an identity whose backward gathers them again just
   before the unit's backward needs them; the unit's reduce-scatter frees them once more.
+  Prefetch (FSDP's forward/backward prefetch): the moment a unit's parameters are in place, the
+  all-gather of the next unit — block i+1 in forward, block i−1 in backward — starts on the
+  communication thread, so it runs while this unit computes; at most one unit ahead, so at most
+  two units are whole at once. ``gather_wait_s`` sums the time the step still waited for them.
 
 Gradient accumulation: stage 1 honours ``no_sync()`` (full gradients accumulate locally); stages
 2-3 reduce-scatter on every backward and accumulate into the shard, as DeepSpeed does.
@@ -45,6 +49,7 @@ shard carries its own communicator, and a stage-3 unit with both kinds holds one
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import numpy as np
@@ -76,6 +81,7 @@ class Shard:
         self.m = xp.zeros(self.hi - self.lo, dtype=bucket.dtype)
         self.v = xp.zeros(self.hi - self.lo, dtype=bucket.dtype)
         self.pending: list[Handle] = []  # reduce-scatters launched since the last sync_gradients
+        self.prefetch: Handle | None = None  # stage 3: an all-gather of the parameters started ahead of use
         self.ready = 0                   # parameters whose gradient is final in the running backward
         self.gathered = True
 
@@ -117,7 +123,7 @@ class ZeRO(ReplicatedModel, Optimizer):
     def __init__(self, model: Module, comm: Communicator, stage: int, lr: float = 3e-4,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
                  bucket_mb: float = 25.0, expert_comm: Communicator | None = None,
-                 replicas: Communicator | None = None):
+                 replicas: Communicator | None = None, prefetch: bool = True):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         ReplicatedModel.__init__(self, model)
@@ -126,6 +132,8 @@ class ZeRO(ReplicatedModel, Optimizer):
             raise ValueError("hybrid sharding (--shard-group) with expert parallelism is not supported")
         self.comm, self.stage, self.replicas = comm, stage, replicas if replicas is not None and replicas.size > 1 else None
         self.beta1, self.beta2, self.eps = betas[0], betas[1], eps
+        self.prefetch, self.gather_wait_s = prefetch, 0.0
+        self.ahead: dict[tuple[int, int], list[Shard]] = {}  # (id(shard), +1 forward / −1 backward) -> next unit's
         broadcast_parameters(replica_groups(self.params, comm, expert_comm))
         if self.replicas:  # every group from the same start
             broadcast_parameters([(self.params, self.replicas, 1.0)])
@@ -138,14 +146,23 @@ class ZeRO(ReplicatedModel, Optimizer):
             inner = {id(p) for unit in units for p in unit.parameters()}
             root = [p for p in model.parameters() if id(p) not in inner]
             owners = [*reversed(units), *([model] if root else [])]  # gradient order: last block first, root last
-            self.shards = []
+            self.shards, by_unit = [], {}
             for module in owners:
+                by_unit[id(module)] = []
                 for params, c, scale in replica_groups(module.parameters() if module is not model else root, comm,
                                                        expert_comm):
                     shard = Shard(Bucket(params, c, scale), wd)
                     self.shards.append(shard)
-                    module.register_forward_pre_hook(lambda m, shard=shard: self._gather(shard))
+                    by_unit[id(module)].append(shard)
+                    module.register_forward_pre_hook(lambda m, shard=shard: self._gather(shard, +1))
                     module.register_forward_hook(lambda m, out, shard=shard: self._after_forward(shard, out))
+            # use order: the root (embeddings) first, then the blocks; backward: the root (head), then the blocks reversed
+            forward = [by_unit[id(u)] for u in ([model] if root else []) + units]
+            backward = forward[:1] + forward[:0:-1] if root else forward[::-1]
+            for order, direction in ((forward, +1), (backward, -1)):
+                for here, following in zip(order, order[1:]):
+                    for shard in here:
+                        self.ahead[id(shard), direction] = following
         for shard in self.shards:
             flat = shard.bucket.flatten([p.data for p in shard.bucket.params])
             if stage < 3:
@@ -159,14 +176,24 @@ class ZeRO(ReplicatedModel, Optimizer):
                 p.register_hook(lambda p, shard=shard: self._gradient_ready(shard))
 
     # ---------------------------------------------------------------------------- stage-3 units
-    def _gather(self, shard: Shard) -> None:
-        """All-gather a unit's parameters: p.data becomes a view of the full flat buffer."""
+    def _gather(self, shard: Shard, direction: int) -> None:
+        """A unit's parameters whole (p.data views of the full flat buffer) — from its prefetch, or gathered
+        now — then, with prefetch, start the all-gather of the next unit in ``direction`` (+1 forward, −1 back)."""
         if shard.gathered:
             return
-        full = shard.comm.all_gather(shard.params, sizes=shard.sizes, algorithm="ring", label="params")
+        t0 = time.perf_counter()
+        if shard.prefetch is not None:
+            full, shard.prefetch = shard.prefetch.wait(), None
+        else:
+            full = shard.comm.all_gather(shard.params, sizes=shard.sizes, algorithm="ring", label="params")
+        self.gather_wait_s += time.perf_counter() - t0
         for i, p in enumerate(shard.bucket.params):
             p.data = shard.bucket.slot(full, i)
         shard.gathered = True
+        for following in self.ahead.get((id(shard), direction), []) if self.prefetch else []:
+            if not following.gathered and following.prefetch is None:
+                following.prefetch = following.comm.all_gather(following.params, sizes=following.sizes, async_op=True,
+                                                                algorithm="ring", label="params")
 
     def _release(self, shard: Shard) -> None:
         for p in shard.bucket.params:
@@ -176,7 +203,7 @@ class ZeRO(ReplicatedModel, Optimizer):
     def _after_forward(self, shard: Shard, out: Any) -> Any:
         """Free the unit's parameters; make backward gather them again before it reaches the unit."""
         self._release(shard)
-        gather = lambda: self._gather(shard)  # noqa: E731
+        gather = lambda: self._gather(shard, -1)  # noqa: E731
         wrap = lambda t: _GatherBeforeBackward.apply(t, gather) if isinstance(t, Tensor) and t.requires_grad else t  # noqa: E731
         return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
 
