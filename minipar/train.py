@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import time
+import tracemalloc
 from typing import Any
 
 import numpy as np
@@ -104,6 +105,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     io.add_argument("--json", action="store_true", help="one JSON object per step instead of a text line")
     io.add_argument("--log-interval", type=int, default=1, metavar="N", help="print progress every N steps")
     io.add_argument("--log-file", metavar="RUN.jsonl", help="also write every step's JSON record to this file")
+    io.add_argument("--peak-memory", action="store_true",
+                    help="trace host allocations (tracemalloc; slower) and report each step's peak bytes per rank")
 
     par = p.add_argument_group("parallelism")
     par.add_argument("--dp", type=int, help="data-parallel degree (default: world size / (tp·pp))")
@@ -616,6 +619,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     set_kernels(args.kernels)
     block = cfg.block_size
     tokens, batches, val_batches, data_note = load_data(args, block)
+    if args.peak_memory:  # after the corpus is loaded, before the model is built: the peak includes the model state
+        tracemalloc.start()
     mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, shard_group=args.shard_group)
     comms = list(dict.fromkeys([world, mesh.dp_comm, mesh.cp_comm, mesh.tp_comm, mesh.pp_comm, mesh.grad_comm,
                                 mesh.ep_comm, mesh.expert_grad_comm, mesh.shard_comm,
@@ -655,6 +660,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         for step in range(first_step, args.steps):
             t0 = time.perf_counter()
+            if args.peak_memory:
+                tracemalloc.reset_peak()
             for c in comms:
                 c.reset_stats()
             norm_bytes["layer_norm"] = 0
@@ -682,6 +689,9 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                 record["context"] = context_report(model, mesh.cp_comm)
             if cfg.n_expert:
                 record["experts"] = expert_report(model, mesh.grad_comm)
+            if args.peak_memory:
+                peaks = world.all_gather(np.array([tracemalloc.get_traced_memory()[1]], np.int64), label="peak")
+                record["peak_bytes"] = {"rank0": int(peaks[0]), "max": int(peaks.max())}
             records.append(record)
             progress.step(record)
             if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
@@ -719,5 +729,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         finished = True
     finally:
         preemption.close()
+        if args.peak_memory:
+            tracemalloc.stop()
         progress.close(step + 1 if records else first_step, finished)
     return records

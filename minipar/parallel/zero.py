@@ -20,11 +20,17 @@ Mechanics. Parameters are grouped into flat buffers (stages 1-2: size-based buck
 order, like DP; stage 3: one *unit* per transformer block plus a root unit for the rest). Rank r
 owns chunk r of every group (``numpy.array_split`` bounds, so sizes need not divide by p).
 
-* A gradient hook counts a group's final gradients; when the group is complete its flattened
-  gradient is reduce-scattered asynchronously (overlapping the rest of backward) and, from stage 2
-  on, the full gradients are dropped.
+* A gradient hook copies each final gradient into its group's flat buffer — from stage 2 on it then
+  drops the parameter's own gradient, so no gradient is held twice — and when the group is complete
+  the buffer is reduce-scattered asynchronously (overlapping the rest of backward) and freed.
 * ``step()`` runs the same AdamW arithmetic as the single-process optimizer on the shard
-  (:func:`minipar.optim.adamw_update`), then — stages 1-2 — all-gathers the updated parameters.
+  (:func:`minipar.optim.adamw_update`), then — stages 1-2 — all-gathers the updated parameters in
+  place, into the flat buffer the parameters are views of.
+
+Peak memory: beyond the table's model state a rank holds transient buffers: the flat gradients of the
+group being filled and of at most MAX_IN_FLIGHT = 2 groups queued for the communication thread (the
+backward waits for the oldest rather than queue more: with 2 cores the thread can lag far behind); stage 3
+also the block in hand and the next one (prefetch). ``train --peak-memory`` reports the measured peak.
 * Stage 3 keeps only the shard. A forward pre-hook all-gathers a unit's parameters, a forward hook
   frees them and wraps the unit's output in an identity whose backward gathers them again just
   before the unit's backward needs them; the unit's reduce-scatter frees them once more.
@@ -50,6 +56,7 @@ shard carries its own communicator, and a stage-3 unit with both kinds holds one
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Any, Callable
 
 import numpy as np
@@ -62,6 +69,9 @@ from minipar.nn import Module, ModuleList
 from minipar.optim import Optimizer, adamw_update, scale_to_norm, sum_of_squares
 from minipar.parallel.data_parallel import (Bucket, ReplicatedModel, broadcast_parameters, gradient_ready_order,
                                             live_bytes, make_buckets, replica_groups)
+
+MAX_IN_FLIGHT = 2  # groups whose flat gradients may wait for the communication thread at once
+
 
 class Shard:
     """One flat group of parameters and this rank's slice [lo, hi) of it: parameters, gradient, Adam state."""
@@ -83,6 +93,7 @@ class Shard:
         self.pending: list[Handle] = []  # reduce-scatters launched since the last sync_gradients
         self.prefetch: Handle | None = None  # stage 3: an all-gather of the parameters started ahead of use
         self.ready = 0                   # parameters whose gradient is final in the running backward
+        self.buffer: Any = None          # their gradients, flat, until the group is complete
         self.gathered = True
 
     def _per_element(self, values: list[float]) -> Any:
@@ -133,14 +144,17 @@ class ZeRO(ReplicatedModel, Optimizer):
         self.comm, self.stage, self.replicas = comm, stage, replicas if replicas is not None and replicas.size > 1 else None
         self.beta1, self.beta2, self.eps = betas[0], betas[1], eps
         self.prefetch, self.gather_wait_s = prefetch, 0.0
+        self.in_flight: deque[Handle] = deque()  # reduce-scatters not yet known to be done, oldest first
         self.ahead: dict[tuple[int, int], list[Shard]] = {}  # (id(shard), +1 forward / −1 backward) -> next unit's
         broadcast_parameters(replica_groups(self.params, comm, expert_comm))
         if self.replicas:  # every group from the same start
             broadcast_parameters([(self.params, self.replicas, 1.0)])
         wd = float(weight_decay)
-        if stage < 3:
+        if stage < 3:  # groups of at most bucket_mb and a quarter of a shard: the transient gradient buffers (the
+            bucket_bytes = min(bucket_mb * 2**20, sum(p.data.nbytes for p in self.params) / (4 * comm.size))  # 1 + 2
+            # in flight) stay below one shard, never a whole model's gradients at once
             self.shards = [Shard(b, wd) for params, c, scale in replica_groups(gradient_ready_order(model), comm, expert_comm)
-                           for b in make_buckets(params, bucket_mb * 2**20, c, scale)]
+                           for b in make_buckets(params, bucket_bytes, c, scale)]
         else:
             units = default_units(model)
             inner = {id(p) for unit in units for p in unit.parameters()}
@@ -172,8 +186,8 @@ class ZeRO(ReplicatedModel, Optimizer):
             else:
                 shard.params = flat[shard.lo:shard.hi].copy()
                 self._release(shard)
-            for p in shard.bucket.params:
-                p.register_hook(lambda p, shard=shard: self._gradient_ready(shard))
+            for i, p in enumerate(shard.bucket.params):
+                p.register_hook(lambda p, shard=shard, i=i: self._gradient_ready(shard, i))
 
     # ---------------------------------------------------------------------------- stage-3 units
     def _gather(self, shard: Shard, direction: int) -> None:
@@ -208,17 +222,24 @@ class ZeRO(ReplicatedModel, Optimizer):
         return tuple(wrap(t) for t in out) if isinstance(out, tuple) else wrap(out)
 
     # ------------------------------------------------------------------------------- gradients
-    def _gradient_ready(self, shard: Shard) -> None:
+    def _gradient_ready(self, shard: Shard, i: int) -> None:
+        """Parameter i's gradient is final: copy it into the group's flat buffer (stages 2-3 then drop it, so a
+        rank never holds a group's gradients twice); the last one launches the reduce-scatter."""
         if self.stage == 1 and not self._sync:
             return
+        if shard.buffer is None:
+            shard.buffer = xp.zeros(shard.bucket.size, dtype=shard.bucket.dtype)  # zeros: for unused parameters
+        p = shard.bucket.params[i]
+        shard.bucket.slot(shard.buffer, i)[...] = p.grad
+        if self.stage >= 2:
+            p.grad = None  # only the reduced shard is kept
         shard.ready += 1
         if shard.ready == len(shard.bucket.params):
             self._launch(shard)
 
     def _launch(self, shard: Shard) -> None:
-        grads = [p.grad if p.grad is not None else xp.zeros(shape, shard.bucket.dtype)
-                 for p, shape in zip(shard.bucket.params, shard.bucket.shapes)]
-        flat = shard.bucket.flatten(grads)
+        flat = shard.buffer if shard.buffer is not None else xp.zeros(shard.bucket.size, dtype=shard.bucket.dtype)
+        shard.buffer = None  # the reduce-scatter holds it until it is done
         if self.replicas is None:
             handle = shard.comm.reduce_scatter(flat, op="avg", async_op=True, algorithm="ring", label="grads")
         else:  # within the group, then across the groups: on the communication thread, in this order
@@ -227,9 +248,9 @@ class ZeRO(ReplicatedModel, Optimizer):
                 label="grads"))
         shard.pending.append(handle)
         shard.ready = 0
-        if self.stage >= 2:
-            for p in shard.bucket.params:
-                p.grad = None  # only the reduced shard is kept
+        self.in_flight.append(handle)
+        while len(self.in_flight) > MAX_IN_FLIGHT:  # bound the flat buffers queued for the communication thread
+            self.in_flight.popleft().wait()
         if self.stage == 3:
             self._release(shard)
 
@@ -249,6 +270,7 @@ class ZeRO(ReplicatedModel, Optimizer):
                     chunk *= shard.bucket.scale
                 shard.grad = chunk if shard.grad is None else shard.grad + chunk
             shard.pending = []
+        self.in_flight.clear()
 
     # ------------------------------------------------------------------------------- optimizer
     def clip_grad_norm(self, max_norm: float, sum_squares: Callable[[Any], Any] = lambda s: s) -> Any:
@@ -271,10 +293,10 @@ class ZeRO(ReplicatedModel, Optimizer):
                 adamw_update(shard.params, shard.grad, shard.m, shard.v, step=self.step_count, lr=self.lr,
                              beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=shard.weight_decay)
         if self.stage < 3:
-            handles = [s.comm.all_gather(s.params, sizes=s.sizes, async_op=True, algorithm="ring", label="params")
-                       for s in self.shards]
-            for shard, handle in zip(self.shards, handles):
-                shard.flat[...] = handle.wait()
+            handles = [s.comm.all_gather(s.params, sizes=s.sizes, async_op=True, algorithm="ring", label="params",
+                                         out=s.flat) for s in self.shards]  # in place: s.params is s.flat's slice
+            for handle in handles:
+                handle.wait()
 
     def zero_grad(self) -> None:
         super().zero_grad()
