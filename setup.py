@@ -12,7 +12,7 @@ setup(
     package_dir={"minipar.kernels": "kernels"},
     python_requires=">=3.9",
     # regex: GPT-2's pre-tokenizer pattern needs the Unicode classes \p{L} and \p{N}, which re lacks
-    install_requires=["numpy>=1.24", "mpi4py>=4.0", "mpich", "regex>=2022.1"],
+    install_requires=["numpy>=1.24", "mpi4py>=4.0", "mpich", "regex>=2022.1", "ml_dtypes>=0.3"],
     extras_require={
         # triton: kernel tests run in its CPU interpreter; tokenizers: the reference for the GPT-2 BPE test;
         # matplotlib: the picture tests

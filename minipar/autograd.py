@@ -24,6 +24,13 @@ later asks each kept node for the weights' gradients alone, from the same saved 
 forward is re-run), and accumulates them; the weights' hooks fire there. Ops that ignore the mask
 and return a weight gradient in B anyway have it kept for W, so the result never depends on it.
 
+Mixed precision (autocast). When a Function's array inputs include float16/bfloat16 ones, ``apply``
+runs its forward in float32 on upcast copies and stores the output — and everything it saves for
+backward — in the 16-bit type; backward upcasts the incoming gradient and the saved arrays, and
+hands its gradients back in 16 bits. Storage, messages and memory are 2 bytes per element, the
+arithmetic float32 (as a GPU's tensor cores accumulate). Scalars (a loss) stay float32. Functions
+that only move data (reshapes, communication) set ``autocast = False`` and keep the dtype.
+
 Gradients handed between nodes are never modified in place (one array may feed several inputs);
 the ``.grad`` stored on a leaf is always an array the leaf owns, so optimizers and hooks may
 update it in place.
@@ -39,7 +46,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
-from minipar.backend import to_host, xp
+from minipar.backend import is_low_precision, to_host, xp
 
 _grad_enabled = True
 
@@ -59,9 +66,14 @@ class Context:
     """Scratch space a Function's forward leaves for its backward."""
 
     needs_input_grad: tuple[bool, ...]
+    storage: Any = None  # autocast: the 16-bit dtype this node's arrays are kept in (None: no autocast)
 
     def save_for_backward(self, *arrays: Any) -> None:
-        self.saved = arrays
+        self._saved = tuple(_store(a, self.storage) for a in arrays) if self.storage is not None else arrays
+
+    @property
+    def saved(self) -> tuple:
+        return tuple(_compute(a) for a in self._saved) if self.storage is not None else self._saved
 
     def input(self, i: int) -> Any:
         """The i-th forward input's array *as it is now*.
@@ -70,7 +82,8 @@ class Context:
         parameter's storage after forward and gathers it again just before backward.
         """
         value = self.inputs[i]
-        return value.data if isinstance(value, Tensor) else value
+        value = value.data if isinstance(value, Tensor) else value
+        return _compute(value) if self.storage is not None else value
 
 
 class Tensor:
@@ -147,9 +160,7 @@ class Tensor:
                 if not any(ctx.needs_input_grad):
                     deferred.nodes.append((ctx, g, weights))
                     continue  # only weights need this node's gradient: all of it waits for W
-            input_grads = ctx.fn.backward(ctx, g)
-            if not isinstance(input_grads, tuple):
-                input_grads = (input_grads,)
+            input_grads = _backward(ctx, g)
             if any(weights):  # W asks for the weights' gradients this op did not compute here anyway
                 later = tuple(w and (i >= len(input_grads) or input_grads[i] is None) for i, w in enumerate(weights))
                 if any(later):
@@ -214,8 +225,7 @@ class WeightGradients:
         contributions = list(self.ready)
         for ctx, g, weights in self.nodes:
             ctx.needs_input_grad = weights
-            grads = ctx.fn.backward(ctx, g)
-            grads = grads if isinstance(grads, tuple) else (grads,)
+            grads = _backward(ctx, g)
             contributions += [(inp, ig.copy() if ig is g else ig)
                               for inp, ig, w in zip(ctx.inputs, grads, weights) if w and ig is not None]
         for weight, ig in contributions:
@@ -237,16 +247,40 @@ class Function:
     def backward(ctx: Context, grad: Any) -> Any:
         raise NotImplementedError
 
+    autocast = True  # 16-bit inputs: compute in float32, store in 16 bits (module docstring)
+
     @classmethod
     def apply(cls, *args: Any, **kwargs: Any) -> Tensor:
         ctx = Context()
         ctx.needs_input_grad = tuple(isinstance(a, Tensor) and a.requires_grad and _grad_enabled for a in args)
         raw = [a.data if isinstance(a, Tensor) else a for a in args]
-        out = Tensor(cls.forward(ctx, *raw, **kwargs))
+        if cls.autocast:
+            ctx.storage = next((r.dtype for r in raw if hasattr(r, "dtype") and is_low_precision(r.dtype)), None)
+        if ctx.storage is not None:
+            out = Tensor(_store(cls.forward(ctx, *[_compute(r) for r in raw], **kwargs), ctx.storage))
+        else:
+            out = Tensor(cls.forward(ctx, *raw, **kwargs))
         if any(ctx.needs_input_grad):
             ctx.fn, ctx.inputs = cls, args
             out.requires_grad, out._ctx = True, ctx
         return out
+
+
+def _compute(a: Any) -> Any:
+    """A 16-bit float array as float32 (anything else as it is)."""
+    return a.astype(xp.float32) if hasattr(a, "dtype") and is_low_precision(a.dtype) else a
+
+
+def _store(a: Any, storage: Any) -> Any:
+    """A float32 array in the 16-bit ``storage`` dtype; scalars (a loss) and non-float32 values as they are."""
+    return a.astype(storage) if hasattr(a, "dtype") and a.dtype == xp.float32 and a.ndim > 0 else a
+
+
+def _backward(ctx: Context, g: Any) -> tuple:
+    """ctx.fn.backward as a tuple; under autocast in float32, its gradients handed back in 16 bits."""
+    grads = ctx.fn.backward(ctx, _compute(g) if ctx.storage is not None else g)
+    grads = grads if isinstance(grads, tuple) else (grads,)
+    return tuple(_store(x, ctx.storage) for x in grads) if ctx.storage is not None else grads
 
 
 def _reverse_topological_order(root: Tensor) -> list[Tensor]:

@@ -20,7 +20,15 @@ import numpy
 
 _active: types.ModuleType = numpy
 
-DTYPES = {"float32": numpy.float32, "float64": numpy.float64, "float16": numpy.float16}
+import ml_dtypes  # noqa: E402  (bfloat16 for numpy, as JAX uses it)
+
+DTYPES = {"float32": numpy.float32, "float64": numpy.float64, "float16": numpy.float16, "bfloat16": ml_dtypes.bfloat16}
+LOW_PRECISION = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))  # 2-byte storage, fp32 arithmetic
+
+
+def is_low_precision(dtype: Any) -> bool:
+    """float16 or bfloat16: stored in 2 bytes; minipar computes with them in float32 (autograd's autocast)."""
+    return dtype in LOW_PRECISION
 
 
 class _ArrayModule:

@@ -196,6 +196,8 @@ class Sum(Function):
 
 
 class Reshape(Function):
+    autocast = False  # moves data: no arithmetic to do in float32
+
     @staticmethod
     def forward(ctx: Context, a: Any, shape: tuple[int, ...]) -> Any:
         ctx.shape = a.shape
@@ -208,6 +210,8 @@ class Reshape(Function):
 
 class Transpose(Function):
     """Permute axes (reverse them when ``axes`` is None); the backward applies the inverse permutation."""
+
+    autocast = False  # moves data: no arithmetic to do in float32
 
     @staticmethod
     def forward(ctx: Context, a: Any, axes: Sequence[int] | None = None) -> Any:
@@ -245,6 +249,8 @@ class GetItem(Function):
 
 class Concat(Function):
     """z = [a₀, a₁, …] joined along ``axis``; the backward splits g at the same boundaries."""
+
+    autocast = False  # moves data: no arithmetic to do in float32
 
     @staticmethod
     def forward(ctx: Context, *arrays: Any, axis: int = 0) -> Any:
@@ -553,6 +559,8 @@ class Recompute(Function):
     through it: the parameters inside ``fn`` receive their gradients there, x's is returned. Costs one
     more forward of ``fn`` per backward; the result is the same arithmetic, so the same numbers.
     """
+
+    autocast = False  # runs fn on the input as it is: the recomputed forward is the original one
 
     @staticmethod
     def forward(ctx: Context, x: Any, fn: Any) -> Any:

@@ -1,14 +1,21 @@
-"""Optimizers, learning-rate schedule and gradient clipping.
+"""Optimizers, learning-rate schedule, gradient clipping and loss scaling.
 
 The update rules are functions on plain arrays (:func:`adamw_update`, :func:`sgd_update`) so that
 the sharded optimizers of ZeRO apply exactly the same arithmetic to their slice of the parameters.
+
+Mixed precision (Micikevicius et al. 2018). Parameters and gradients of a 16-bit model are 2 bytes
+each; AdamW keeps a float32 master copy of every such parameter with its float32 moments, updates the
+master from the gradient (upcast, times ``grad_scale`` = 1/loss scale) and writes it back rounded to
+16 bits: 2Ψ + 2Ψ + (4 + 4 + 4)Ψ = 16Ψ bytes for Ψ parameters, the ZeRO paper's count. Norms are summed
+in float32. float16 needs :class:`LossScaler` (its gradients would underflow); bfloat16 has float32's
+range and does not.
 """
 from __future__ import annotations
 
 import math
 from typing import Any, Callable, Iterable
 
-from minipar.backend import to_device, to_host, xp
+from minipar.backend import is_low_precision, to_device, to_host, xp
 from minipar.nn import Parameter
 
 
@@ -47,6 +54,7 @@ class Optimizer:
         self.params = list(params)
         self.lr = lr
         self.step_count = 0
+        self.grad_scale = 1.0  # 1 / the loss scale the gradients carry (mixed precision)
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -57,7 +65,7 @@ class Optimizer:
 
         ``sum_squares`` adds the other ranks' Σg² when parameters are split across ranks (tensor parallelism).
         """
-        return clip_grad_norm(self.params, max_norm, sum_squares)
+        return clip_grad_norm(self.params, max_norm, sum_squares, self.grad_scale)
 
     def state_arrays(self) -> list[Any]:
         return []
@@ -71,33 +79,46 @@ class AdamW(Optimizer):
         super().__init__(params, lr)
         self.beta1, self.beta2 = betas
         self.eps, self.weight_decay = eps, float(weight_decay)
-        self.m = [xp.zeros_like(p.data) for p in self.params]
-        self.v = [xp.zeros_like(p.data) for p in self.params]
+        # 16-bit parameters: a float32 master copy, float32 moments (module docstring)
+        self.master = [p.data.astype(xp.float32) if is_low_precision(p.dtype) else None for p in self.params]
+        self.m = [xp.zeros(p.shape, xp.float32 if w is not None else p.dtype) for p, w in zip(self.params, self.master)]
+        self.v = [xp.zeros_like(m) for m in self.m]
 
     def state_arrays(self) -> list[Any]:
-        return self.m + self.v
+        return self.m + self.v + [w for w in self.master if w is not None]
+
+    def master_state(self, names: dict[int, str]) -> dict[str, Any]:
+        """The float32 master weights by name (host arrays); empty for a full-precision model."""
+        return {names[id(p)]: to_host(w) for p, w in zip(self.params, self.master) if w is not None}
 
     def export_state(self, names: dict[int, str]) -> dict[str, dict[str, Any]]:
         """Adam's moments by parameter name (``names``: id(parameter) -> name), as host arrays."""
         return {"exp_avg": {names[id(p)]: to_host(m) for p, m in zip(self.params, self.m)},
                 "exp_avg_sq": {names[id(p)]: to_host(v) for p, v in zip(self.params, self.v)}}
 
-    def import_state(self, exp_avg: dict[str, Any], exp_avg_sq: dict[str, Any], names: dict[int, str], step: int) -> None:
-        """Set the moments (by name, shapes checked) and the step count, e.g. from a checkpoint."""
-        for p, m, v in zip(self.params, self.m, self.v):
+    def import_state(self, exp_avg: dict[str, Any], exp_avg_sq: dict[str, Any], names: dict[int, str], step: int,
+                     master: dict[str, Any] | None = None) -> None:
+        """Set the moments (by name, shapes checked), the step count and — for a 16-bit model, from ``master`` —
+        the float32 master weights, e.g. from a checkpoint."""
+        for p, m, v, w in zip(self.params, self.m, self.v, self.master):
             name = names[id(p)]
             if exp_avg[name].shape != m.shape:
                 raise ValueError(f"{name}: optimizer state of shape {exp_avg[name].shape}, parameter is {m.shape}")
             m[...], v[...] = to_device(exp_avg[name]), to_device(exp_avg_sq[name])
+            if w is not None and master is not None:
+                w[...] = to_device(master[name])
         self.step_count = step
 
     def step(self) -> None:
         self.step_count += 1
-        for p, m, v in zip(self.params, self.m, self.v):
+        for p, m, v, w in zip(self.params, self.m, self.v, self.master):
             if p.grad is None:
                 continue
-            adamw_update(p.data, p.grad, m, v, step=self.step_count, lr=self.lr, beta1=self.beta1,
+            g = p.grad if w is None else master_gradient(p.grad, self.grad_scale)
+            adamw_update(p.data if w is None else w, g, m, v, step=self.step_count, lr=self.lr, beta1=self.beta1,
                          beta2=self.beta2, eps=self.eps, weight_decay=self.weight_decay if p.ndim >= 2 else 0.0)
+            if w is not None:
+                p.data[...] = w.astype(p.dtype)  # the master rounded to 16 bits
 
 
 class SGD(Optimizer):
@@ -130,8 +151,36 @@ def cosine_lr(step: int, *, max_lr: float, warmup_steps: int, total_steps: int, 
     return min_lr + 0.5 * (max_lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
+def master_gradient(grad: Any, grad_scale: float) -> Any:
+    """A 16-bit gradient as float32, without the loss scale it carries."""
+    g = grad.astype(xp.float32)
+    if grad_scale != 1.0:
+        g *= grad_scale
+    return g
+
+
+class LossScaler:
+    """Dynamic loss scaling for float16 (Micikevicius et al. 2018; PyTorch's GradScaler defaults): the loss
+    is multiplied by ``scale`` before backward so small gradients do not underflow; a step whose gradients
+    overflowed (a non-finite norm) is skipped and the scale multiplied by ``backoff``; after
+    ``growth_interval`` good steps in a row it is multiplied by ``growth``."""
+
+    def __init__(self, scale: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5, growth_interval: int = 2000):
+        self.scale, self.growth, self.backoff, self.growth_interval = scale, growth, backoff, growth_interval
+        self.good_steps, self.skipped = 0, 0
+
+    def update(self, finite: bool) -> None:
+        if not finite:
+            self.scale *= self.backoff
+            self.good_steps, self.skipped = 0, self.skipped + 1
+            return
+        self.good_steps += 1
+        if self.good_steps % self.growth_interval == 0:
+            self.scale *= self.growth
+
+
 def clip_grad_norm(params: Iterable[Parameter], max_norm: float,
-                   sum_squares: Callable[[Any], Any] = lambda s: s) -> Any:
+                   sum_squares: Callable[[Any], Any] = lambda s: s, grad_scale: float = 1.0) -> Any:
     """Scale all gradients so their global L2 norm is at most ``max_norm``; returns the norm before
     clipping as a 0-d xp array (``float(norm)`` when you need it on the host).
 
@@ -143,14 +192,17 @@ def clip_grad_norm(params: Iterable[Parameter], max_norm: float,
     so a GPU step never waits for the host here.
     """
     held = [p for p in params if p.grad is not None]
-    norm = xp.sqrt(xp.asarray(sum_squares(sum_of_squares(held))))
+    norm = xp.sqrt(xp.asarray(sum_squares(sum_of_squares(held)))) * grad_scale
     scale_to_norm(held, norm, max_norm)
     return norm
 
 
 def sum_of_squares(held: Iterable[Any]) -> Any:
-    """Σ norm_scale·g² over the gradients of ``held`` (objects with ``.grad``), as a 0-d xp array."""
-    return sum((((p.grad * p.grad) * getattr(p, "norm_scale", 1.0)).sum() for p in held), xp.zeros(()))
+    """Σ norm_scale·g² over the gradients of ``held`` (objects with ``.grad``), as a 0-d xp array (16-bit
+    gradients summed in float32)."""
+    return sum((((g * g) * getattr(p, "norm_scale", 1.0)).sum()
+                for p in held for g in [p.grad.astype(xp.float32) if is_low_precision(p.grad.dtype) else p.grad]),
+               xp.zeros(()))
 
 
 def scale_to_norm(held: Iterable[Any], norm: Any, max_norm: float) -> None:

@@ -30,7 +30,7 @@ from minipar.checkpoint import Checkpoint, load_checkpoint, prune_checkpoints, s
 from minipar.comm import Communicator
 from minipar.data import Batches, load_tokens, shard_rows, split_tokens
 from minipar.models.gpt import GPT, RECOMPUTE, GPTConfig, hf_config
-from minipar.optim import AdamW, cosine_lr
+from minipar.optim import AdamW, LossScaler, cosine_lr
 from minipar.parallel.compression import COMPRESSIONS, make_compressor
 from minipar.parallel.context_parallel import KINDS as CP_KINDS
 from minipar.parallel.context_parallel import SPLITS as CP_SPLITS
@@ -85,6 +85,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (matrices only)")
     run.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     run.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="parameters and activations")
+    run.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
+                     help="bf16-mixed / fp16-mixed: 16-bit parameters, activations, gradients and messages, float32 "
+                          "master weights and Adam moments (fp16 with dynamic loss scaling); fp32: --dtype throughout")
+    run.add_argument("--loss-scale", type=float, default=2.0**16, help="fp16-mixed: the initial dynamic loss scale")
     run.add_argument("--recompute", choices=list(RECOMPUTE), default="none",
                      help="activation recomputation: selective = attention probabilities, full = whole blocks")
     run.add_argument("--seed", type=int, default=0, help="initialization and data order")
@@ -163,7 +167,7 @@ def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
     if world.rank == 0:
         cfg = model_config(args)
         recompute = {"none": False, "full": True}.get(args.recompute, args.recompute)  # the user's --recompute
-        ranked = planner.plan(cfg, world.size, args.batch_size, profile, planner.ITEMSIZE[args.dtype], (recompute,))
+        ranked = planner.plan(cfg, world.size, args.batch_size, profile, planner.ITEMSIZE[model_dtype(args)], (recompute,))
         best = ranked[0]
         if not best.feasible:
             raise ValueError(f"no layout of {world.size} ranks fits in {profile.memory / 1e9:.1f} GB per device")
@@ -183,13 +187,21 @@ def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
               f"{choice['memory_gb']:.3f} GB per rank ({profile.name})", flush=True)
 
 
+PRECISIONS = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}  # -> the model's storage dtype
+
+
+def model_dtype(args: argparse.Namespace) -> str:
+    """What parameters and activations are stored in: --dtype, or the 16-bit type of a mixed --precision."""
+    return PRECISIONS[args.precision] or args.dtype
+
+
 def model_config(args: argparse.Namespace, resumed: Checkpoint | None = None) -> GPTConfig:
     if resumed is not None:
-        return dataclasses.replace(resumed.config, dtype=args.dtype)
+        return dataclasses.replace(resumed.config, dtype=model_dtype(args))
     if args.init_from:
-        return hf_config(args.init_from, dtype=args.dtype)
+        return hf_config(args.init_from, dtype=model_dtype(args))
     return GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                     n_embd=args.n_embd, dtype=args.dtype, n_expert=args.n_expert, expert_top_k=args.expert_top_k,
+                     n_embd=args.n_embd, dtype=model_dtype(args), n_expert=args.n_expert, expert_top_k=args.expert_top_k,
                      capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef)
 
 
@@ -256,6 +268,13 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
     if args.n_expert < 0 or (args.n_expert and not 1 <= args.expert_top_k <= args.n_expert):
         raise ValueError(f"--expert-top-k {args.expert_top_k} must be between 1 and --n-expert {args.n_expert}"
                          if args.n_expert > 0 else f"--n-expert must be >= 0, got {args.n_expert}")
+    if args.precision != "fp32":
+        if args.dtype != "float32":
+            raise ValueError(f"--precision {args.precision} stores the model in 16 bits with float32 masters: "
+                             f"drop --dtype {args.dtype} (it sets the pure modes)")
+        for flag, on in (("--cp", args.cp > 1), ("--local-sgd", args.local_sgd), ("--compression", args.compression != "none")):
+            if on:
+                raise ValueError(f"--precision {args.precision} is not supported with {flag} yet")
     if args.init_from and args.n_expert and resumed is None:
         raise ValueError("--init-from loads a dense Hugging Face GPT-2: it cannot be combined with --n-expert")
     cfg = model_config(args, resumed)
@@ -300,13 +319,14 @@ def check_mixture_of_experts(args: argparse.Namespace) -> None:
 def check_memory(cfg: GPTConfig, args: argparse.Namespace, world_size: int) -> None:
     """Refuse a run whose estimated peak (the planner's model states + activations per rank, for the ranks on
     this machine) exceeds the memory available here, instead of letting the OOM killer end it mid-step."""
-    itemsize = planner.ITEMSIZE[args.dtype]
+    itemsize = planner.ITEMSIZE[model_dtype(args)]
     layout = planner.Layout(args.dp, args.tp, args.pp, args.zero, args.microbatches, args.schedule, cp=args.cp,
                             cp_kind=args.cp_kind, sp=args.sp, ep=args.ep,
                             virtual_stages=args.virtual_stages, shard_group=args.shard_group or 0,
                             recompute=args.recompute)
     states, activations = planner.memory_per_rank(cfg, args.batch_size, layout, itemsize)
-    per_rank = states * itemsize / 4 + activations  # the planner's 16Ψ counts 4-byte words
+    # the planner's 16Ψ: 4-byte words in the pure modes, the bytes of mixed precision's 2 + 2 + 12
+    per_rank = states * (1 if args.precision != "fp32" else itemsize / 4) + activations
     # on the CPU the ranks on this machine share its memory; on GPUs each rank has its own device
     ranks_here = int(os.environ.get("MPI_LOCALNRANKS", world_size)) if args.device == "cpu" else 1
     available = memory_available()
@@ -334,17 +354,20 @@ def build_model(args: argparse.Namespace, cfg: GPTConfig, mesh: Mesh, resumed: C
 
 def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoint) -> None:
     """Adam's moments from a checkpoint of any layout: this rank's tp slice of the full tensors."""
-    moments = [resumed.exp_avg, resumed.exp_avg_sq]
+    moments = [resumed.exp_avg, resumed.exp_avg_sq, resumed.params]  # params: the float32 masters of a 16-bit model
     if mesh.tp > 1:
         moments = [shard_state_dict(m, model.config, mesh.tp, mesh.tp_rank) for m in moments]
     if mesh.ep > 1:
         moments = [shard_expert_state(m, mesh.ep, mesh.ep_rank, expert_names(model)) for m in moments]
-    optimizer.import_state(*moments, {id(p): n for n, p in model.named_parameters()}, resumed.optimizer_step)
+    optimizer.import_state(*moments[:2], {id(p): n for n, p in model.named_parameters()}, resumed.optimizer_step,
+                           master=moments[2])
 
 
 def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any, model: GPT, mesh: Mesh) -> str:
     """Save parameters and AdamW state in this layout; the first replica of each (pp, tp) slice writes it."""
-    state = {"param": engine.gathered_state_dict(), **optimizer.export_state({id(p): n for n, p in model.named_parameters()})}
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = {**engine.gathered_state_dict(), **optimizer.master_state(names)}  # a 16-bit model's float32 masters
+    state = {"param": params, **optimizer.export_state(names)}
     if mesh.ep > 1:  # whole experts, from every ep rank's share
         state = {kind: gather_expert_state(tensors, mesh.ep_comm, expert_names(model)) for kind, tensors in state.items()}
     state = state if mesh.grad_comm.rank == 0 else None
@@ -530,6 +553,10 @@ def format_step(record: dict[str, Any]) -> str:
         if pp_bytes:
             comm += f" | pp {pp_bytes / 1e6:.2f} MB, bubble {record['pipeline']['bubble']:.0%}"
         comm += f" | state {sum(record['model_state_bytes'].values()) / 1e6:.2f} MB"
+    if record.get("skipped"):
+        comm = f" | skipped: fp16 gradients overflowed, loss scale now {record['loss_scale'] / 2:g}" + comm
+    elif "loss_scale" in record:
+        comm = f" | loss scale {record['loss_scale']:g}" + comm
     if "experts" in record:
         moe = record["experts"]
         comm = (f" | dropped {moe['dropped_fraction']:.1%}, expert load {moe['expert_load_min']}–"
@@ -633,6 +660,9 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     if resumed is not None:
         restore_optimizer(optimizer, model, mesh, resumed)
     split_sum = group_sum(mesh.tp_comm, mesh.pp_comm, mesh.ep_comm)
+    scaler = LossScaler(args.loss_scale) if args.precision == "fp16-mixed" else None
+    if scaler:  # overflowing fp16 gradients are expected; the scaler detects them and skips the step
+        np.seterr(over="ignore", invalid="ignore")
     m, lead, first_step = args.microbatches, world.rank == 0, resumed.step if resumed else 0
     progress = Progress(args, lead, first_step)
     norm_bytes = count_layer_norm_bytes(model)
@@ -670,14 +700,20 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             for layer in moe_layers(model):
                 layer.reset_tally()
             x, y = (context_slice(shard_rows(a, mesh.dp_rank, mesh.dp), mesh.cp_comm, args.cp_split) for a in batches(step))
-            losses = pipeline.run(engine, x, y, m)
+            losses = pipeline.run(engine, x, y, m, loss_scale=scaler.scale if scaler else 1.0)
             with trace.span("sync gradients", "comm"):
                 engine.sync_gradients()
             with trace.span("optimizer", "optimizer"):
-                norm = optimizer.clip_grad_norm(args.grad_clip, split_sum)
+                optimizer.grad_scale = 1.0 / scaler.scale if scaler else 1.0
+                norm = optimizer.clip_grad_norm(args.grad_clip, split_sum)  # of the unscaled gradients
                 optimizer.lr = cosine_lr(step, max_lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
                                          min_lr=args.min_lr)
-                optimizer.step()
+                overflow = scaler is not None and not math.isfinite(float(norm))
+                if scaler:
+                    scale = scaler.scale
+                    scaler.update(finite=not overflow)
+                if not overflow:  # an fp16 step whose gradients overflowed is skipped, the scale backs off
+                    optimizer.step()
             outer_round = local_sgd.step() if local_sgd else False
             state_bytes = engine.model_state_bytes(optimizer)
             optimizer.zero_grad()
@@ -689,12 +725,14 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                 record["context"] = context_report(model, mesh.cp_comm)
             if cfg.n_expert:
                 record["experts"] = expert_report(model, mesh.grad_comm)
+            if scaler:
+                record["loss_scale"], record["skipped"] = scale, overflow
             if args.peak_memory:
                 peaks = world.all_gather(np.array([tracemalloc.get_traced_memory()[1]], np.int64), label="peak")
                 record["peak_bytes"] = {"rank0": int(peaks[0]), "max": int(peaks.max())}
             records.append(record)
             progress.step(record)
-            if not (math.isfinite(record["loss"]) and math.isfinite(record["grad_norm"])):
+            if not (math.isfinite(record["loss"]) and (math.isfinite(record["grad_norm"]) or record.get("skipped"))):
                 raise RuntimeError(f"step {step + 1}: the loss ({record['loss']}) or gradient norm "
                                    f"({record['grad_norm']}) is not finite — training diverged; nothing of this step "
                                    "was saved (try a lower --lr, a longer --warmup or --grad-clip)")

@@ -55,7 +55,7 @@ def test_model_state_memory_drops_with_zero_stage(tmp_path):
     psi_bytes = 4 * sum(a.size for a in params.values())  # 4Ψ: one float32 copy of the parameters
     total = {z: sum(s.values()) for z, s in states.items()}
     assert total[0] == 4 * psi_bytes                                        # 16Ψ
-    assert abs(total[1] - (2 + 3 / p) * psi_bytes) <= 0.01 * psi_bytes     # 8Ψ + 12Ψ/p
+    assert abs(total[1] - (2 + 2 / p) * psi_bytes) <= 0.01 * psi_bytes     # 8Ψ + 8Ψ/p (the reduced slice in place)
     assert abs(total[2] - (1 + 3 / p) * psi_bytes) <= 0.01 * psi_bytes     # 4Ψ + 12Ψ/p
     assert total[3] <= 1.05 * 4 * psi_bytes / p                            # ≤ 1.05 · 16Ψ/p
     assert states[3]["params"] <= 1.01 * psi_bytes / p

@@ -42,7 +42,7 @@ from typing import Any, Callable
 import numpy as np
 from mpi4py import MPI
 
-from minipar.backend import on_gpu, share_cores, to_host
+from minipar.backend import is_low_precision, on_gpu, share_cores, to_host
 from minipar.comm import collectives as algo
 from minipar.comm import tuning
 
@@ -478,7 +478,7 @@ class Communicator:
     def _check_op(self, op: str, x: Any) -> None:
         if op not in algo.REDUCE_OPS:
             raise ValueError(f"unknown reduction {op!r}: expected one of {sorted(algo.REDUCE_OPS)}")
-        if op == "avg" and x.dtype.kind not in "fc":
+        if op == "avg" and x.dtype.kind not in "fc" and not is_low_precision(x.dtype):  # bfloat16's kind is "V"
             raise TypeError(f"op='avg' needs a floating-point array, got {x.dtype}")
 
     def _check_root(self, root: int) -> None:

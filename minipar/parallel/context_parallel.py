@@ -71,6 +71,8 @@ def gather_heads(comm: Communicator, y: Any, label: str) -> Any:
 class SequenceToHeads(Function):
     """(B, T/cp, K·H·D) -> (B, T, K·(H/cp)·D); backward: the inverse all-to-all of the gradient."""
 
+    autocast = False  # moves data: keeps its dtype (16-bit messages under mixed precision)
+
     @staticmethod
     def forward(ctx: Context, x: Any, comm: Communicator, n_head: int, k: int) -> Any:
         B, t, width = x.shape
@@ -87,6 +89,8 @@ class SequenceToHeads(Function):
 
 class HeadsToSequence(Function):
     """(B, T, (H/cp)·D) -> (B, T/cp, H·D); backward: the inverse all-to-all of the gradient."""
+
+    autocast = False  # moves data: keeps its dtype (16-bit messages under mixed precision)
 
     @staticmethod
     def forward(ctx: Context, y: Any, comm: Communicator, n_head: int) -> Any:

@@ -65,6 +65,8 @@ class AllToAllRows(Function):
     """Rows of ``x`` (R, C) to the ranks of ``comm``: ``send[j]`` rows to rank j, ``recv[i]`` rows from rank i.
     Backward sends the gradient rows back the way they came (the same exchange with the counts swapped)."""
 
+    autocast = False  # moves data: keeps its dtype (16-bit messages under mixed precision)
+
     @staticmethod
     def forward(ctx: Context, x: Any, send: list[int], recv: list[int], comm: Communicator) -> Any:
         ctx.send, ctx.recv, ctx.comm, width = send, recv, comm, x.shape[1]

@@ -129,13 +129,14 @@ class Pipeline:
             x = block(x)
         return model.head(x, to_device(targets))[1] if stage == self.n_stages - 1 else x
 
-    def run(self, engine: Any, x: np.ndarray, y: np.ndarray, m: int) -> list[Any]:
+    def run(self, engine: Any, x: np.ndarray, y: np.ndarray, m: int, loss_scale: float = 1.0) -> list[Any]:
         """Forward and backward of m microbatches of (x, y); returns their losses as 0-d xp arrays (on the last rank).
 
-        Each chunk's backward passes but its last run under ``engine.no_sync()`` (module docstring)."""
+        Each chunk's backward passes but its last run under ``engine.no_sync()`` (module docstring). Backward
+        starts from loss·loss_scale/m (float16 loss scaling; the losses returned are unscaled)."""
         xs, ys = np.split(x, m), np.split(y, m)
         if self.n_ranks == 1:
-            return self._run_single_stage(engine, xs, ys)
+            return self._run_single_stage(engine, xs, ys, loss_scale)
         p, last_stage = self.n_ranks, self.n_stages - 1
         shape = (len(xs[0]), len(self.model.positions(x.shape[1])), self.model.config.n_embd)
         prev, nxt = (self.rank - 1) % p, (self.rank + 1) % p
@@ -184,7 +185,7 @@ class Pipeline:
                     clock = max(clock, sent_at)
                 with trace.span(f"B{name}", "backward"):
                     out = outputs.pop((i, chunk))
-                    deferred = (out * (1.0 / m) if stage == last_stage else out).backward(
+                    deferred = (out * (loss_scale / m) if stage == last_stage else out).backward(
                         None if stage == last_stage else grad, defer=self.weights if split else None)
                 if split:
                     weight_passes[i, chunk] = deferred
@@ -203,7 +204,7 @@ class Pipeline:
                       "bubble": 1.0 - busy / makespan, "bubble_formula": bubble_formula(self.kind, p, m, self.v)}
         return losses
 
-    def _run_single_stage(self, engine: Any, xs: list, ys: list) -> list[Any]:
+    def _run_single_stage(self, engine: Any, xs: list, ys: list, loss_scale: float) -> list[Any]:
         """No pipeline: plain gradient accumulation through the engine (which may be ZeRO-3's hooks)."""
         m, losses = len(xs), []
         for i, (xi, yi) in enumerate(zip(xs, ys)):
@@ -211,7 +212,7 @@ class Pipeline:
                 with trace.span(f"F{i}", "forward"):
                     _, loss = engine(xi, yi)
                 with trace.span(f"B{i}", "backward"):
-                    (loss * (1.0 / m)).backward()
+                    (loss * (loss_scale / m)).backward()
             losses.append(loss.data)  # a device scalar: read once per step, by the caller
         self.stats = {"peak_microbatches_in_flight": 1, "bubble": 0.0, "bubble_formula": 0.0}
         return losses

@@ -64,6 +64,8 @@ from minipar.nn import Module, Parameter
 class CopyToTensorParallel(Function):
     """f: identity forward, all-reduce of the gradient backward."""
 
+    autocast = False  # moves data: keeps its dtype (16-bit messages under mixed precision)
+
     @staticmethod
     def forward(ctx: Context, x: Any, comm: Communicator, label: str = "tp_backward") -> Any:
         ctx.comm, ctx.label = comm, label
@@ -76,6 +78,8 @@ class CopyToTensorParallel(Function):
 
 class ReduceFromTensorParallel(Function):
     """g: all-reduce forward, identity backward."""
+
+    autocast = False  # moves data: keeps its dtype (16-bit messages under mixed precision)
 
     @staticmethod
     def forward(ctx: Context, x: Any, comm: Communicator, label: str = "tp_forward") -> Any:
@@ -103,6 +107,8 @@ def reduce_scatter_sequence(comm: Communicator, y: Any, label: str) -> Any:
 class GatherSequence(Function):
     """ḡ: all-gather along the sequence forward, reduce-scatter of the (partial) gradient backward."""
 
+    autocast = False  # moves data: keeps its dtype (16-bit messages under mixed precision)
+
     @staticmethod
     def forward(ctx: Context, x: Any, comm: Communicator, label: str = "sp") -> Any:
         ctx.comm, ctx.label = comm, label
@@ -115,6 +121,8 @@ class GatherSequence(Function):
 
 class ReduceScatterSequence(Function):
     """ḡ*: reduce-scatter along the sequence forward, all-gather of the gradient backward."""
+
+    autocast = False  # moves data: keeps its dtype (16-bit messages under mixed precision)
 
     @staticmethod
     def forward(ctx: Context, x: Any, comm: Communicator, label: str = "sp") -> Any:

@@ -9,12 +9,15 @@ Per rank, Ψ parameters in float32 (4 bytes each for parameters, gradients, Adam
 
     stage   sharded                 model-state bytes¹      bytes sent per step
     DP      nothing                 16Ψ                     2(p−1)/p·4Ψ   all-reduce(grads)
-    1       optimizer state         8Ψ + 12Ψ/p              2(p−1)/p·4Ψ   reduce-scatter(grads) + all-gather(params)
+    1       optimizer state         8Ψ + 8Ψ/p               2(p−1)/p·4Ψ   reduce-scatter(grads) + all-gather(params)
     2       + gradients             4Ψ + 12Ψ/p              2(p−1)/p·4Ψ   the same
     3       + parameters (FSDP)     16Ψ/p                   3(p−1)/p·4Ψ   all-gather(params) in forward and again in
                                                                           backward + reduce-scatter(grads)
 
-¹ stage 1 keeps the full local gradients (4Ψ) and, beside them, this rank's reduced slice (4Ψ/p).
+¹ in float32 there is no separate master copy: the parameters are the master (4 + 4 + 8/p words). Under
+  mixed precision (16-bit parameters and gradients, float32 master + m + v, optim.py) the same table
+  reads 16Ψ, 4Ψ + 12Ψ/p, 2Ψ + 14Ψ/p, 16Ψ/p — the ZeRO paper's. Stage 1 keeps the full local gradients
+  in one flat buffer per group and its reduced slice in that buffer's own slice, so it costs nothing extra.
 
 Mechanics. Parameters are grouped into flat buffers (stages 1-2: size-based buckets in gradient
 order, like DP; stage 3: one *unit* per transformer block plus a root unit for the rest). Rank r
@@ -62,11 +65,11 @@ from typing import Any, Callable
 import numpy as np
 
 from minipar.autograd import Context, Function, Tensor
-from minipar.backend import to_device, to_host, xp
+from minipar.backend import is_low_precision, to_device, to_host, xp
 from minipar.comm import Communicator, Handle
 from minipar.comm.collectives import chunk_bounds
 from minipar.nn import Module, ModuleList
-from minipar.optim import Optimizer, adamw_update, scale_to_norm, sum_of_squares
+from minipar.optim import Optimizer, adamw_update, master_gradient, scale_to_norm, sum_of_squares
 from minipar.parallel.data_parallel import (Bucket, ReplicatedModel, broadcast_parameters, gradient_ready_order,
                                             live_bytes, make_buckets, replica_groups)
 
@@ -82,14 +85,16 @@ class Shard:
         bounds = chunk_bounds(bucket.size, comm.size)
         self.sizes = [bounds[i + 1] - bounds[i] for i in range(comm.size)]
         self.lo, self.hi = bounds[comm.rank], bounds[comm.rank + 1]
+        self.state_dtype = xp.float32 if is_low_precision(bucket.dtype) else bucket.dtype  # mixed: fp32 master, m, v
         # per-element AdamW decay (matrices only, as minipar.optim does) and grad-norm weights (tensor_parallel.py)
         self.weight_decay = self._per_element([weight_decay if len(s) >= 2 else 0.0 for s in bucket.shapes])
         self.norm_scale = self._per_element([getattr(p, "norm_scale", 1.0) for p in bucket.params])
         self.params: Any = None   # this rank's parameter slice (a view into the full flat buffer for stages 1-2)
         self.flat: Any = None     # stages 1-2: the full flat parameters that p.data are views of
         self.grad: Any = None     # this rank's reduced gradient slice
-        self.m = xp.zeros(self.hi - self.lo, dtype=bucket.dtype)
-        self.v = xp.zeros(self.hi - self.lo, dtype=bucket.dtype)
+        self.m = xp.zeros(self.hi - self.lo, dtype=self.state_dtype)
+        self.v = xp.zeros(self.hi - self.lo, dtype=self.state_dtype)
+        self.master: Any = None  # mixed precision: the float32 master of this rank's slice
         self.pending: list[Handle] = []  # reduce-scatters launched since the last sync_gradients
         self.prefetch: Handle | None = None  # stage 3: an all-gather of the parameters started ahead of use
         self.ready = 0                   # parameters whose gradient is final in the running backward
@@ -100,12 +105,14 @@ class Shard:
         """One value per parameter, spread over this rank's slice of the flat buffer (a scalar when all agree)."""
         if len(set(values)) == 1:
             return float(values[0])
-        full = self.bucket.flatten([xp.full(shape, v, dtype=self.bucket.dtype) for v, shape in zip(values, self.bucket.shapes)])
+        full = self.bucket.flatten([xp.full(shape, v, dtype=self.state_dtype) for v, shape in zip(values, self.bucket.shapes)])
         return full[self.lo:self.hi].copy()
 
 
 class _GatherBeforeBackward(Function):
     """Identity in forward; in backward first calls ``gather()`` (stage 3 re-gathers a unit's parameters)."""
+
+    autocast = False  # moves data: keeps its dtype (16-bit messages under mixed precision)
 
     @staticmethod
     def forward(ctx: Context, x: Any, gather: Any) -> Any:
@@ -186,6 +193,8 @@ class ZeRO(ReplicatedModel, Optimizer):
             else:
                 shard.params = flat[shard.lo:shard.hi].copy()
                 self._release(shard)
+            if is_low_precision(shard.bucket.dtype):
+                shard.master = shard.params.astype(xp.float32)
             for i, p in enumerate(shard.bucket.params):
                 p.register_hook(lambda p, shard=shard, i=i: self._gradient_ready(shard, i))
 
@@ -231,15 +240,17 @@ class ZeRO(ReplicatedModel, Optimizer):
             shard.buffer = xp.zeros(shard.bucket.size, dtype=shard.bucket.dtype)  # zeros: for unused parameters
         p = shard.bucket.params[i]
         shard.bucket.slot(shard.buffer, i)[...] = p.grad
-        if self.stage >= 2:
-            p.grad = None  # only the reduced shard is kept
+        # stage 1 keeps the full gradients — in the flat buffer, which will also hold its reduced slice; from
+        # stage 2 on only the reduced slice is kept
+        p.grad = shard.bucket.slot(shard.buffer, i) if self.stage == 1 else None
         shard.ready += 1
         if shard.ready == len(shard.bucket.params):
             self._launch(shard)
 
     def _launch(self, shard: Shard) -> None:
         flat = shard.buffer if shard.buffer is not None else xp.zeros(shard.bucket.size, dtype=shard.bucket.dtype)
-        shard.buffer = None  # the reduce-scatter holds it until it is done
+        if self.stage >= 2:
+            shard.buffer = None  # the reduce-scatter holds it until it is done
         if self.replicas is None:
             handle = shard.comm.reduce_scatter(flat, op="avg", async_op=True, algorithm="ring", label="grads")
         else:  # within the group, then across the groups: on the communication thread, in this order
@@ -269,6 +280,9 @@ class ZeRO(ReplicatedModel, Optimizer):
                 if shard.bucket.scale != 1.0:
                     chunk *= shard.bucket.scale
                 shard.grad = chunk if shard.grad is None else shard.grad + chunk
+            if self.stage == 1 and shard.buffer is not None:  # the reduced slice in place of the local one
+                shard.buffer[shard.lo:shard.hi] = shard.grad
+                shard.grad = shard.buffer[shard.lo:shard.hi]
             shard.pending = []
         self.in_flight.clear()
 
@@ -281,7 +295,7 @@ class ZeRO(ReplicatedModel, Optimizer):
         for comm in dict.fromkeys(s.comm for s in self.shards):
             squares = sum_of_squares(h for h in holders if h.comm is comm)
             local = local + comm.all_reduce(xp.asarray(squares, dtype=xp.float64).reshape(1), label="grad_norm")[0]
-        norm = xp.sqrt(xp.asarray(sum_squares(local)))
+        norm = xp.sqrt(xp.asarray(sum_squares(local))) * self.grad_scale
         scale_to_norm(holders, norm, max_norm)
         return norm
 
@@ -289,9 +303,15 @@ class ZeRO(ReplicatedModel, Optimizer):
         """AdamW on this rank's shard; stages 1-2 then all-gather the updated parameters."""
         self.step_count += 1
         for shard in self.shards:
-            if shard.grad is not None:
-                adamw_update(shard.params, shard.grad, shard.m, shard.v, step=self.step_count, lr=self.lr,
-                             beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=shard.weight_decay)
+            if shard.grad is None:
+                continue
+            mixed = shard.master is not None
+            adamw_update(shard.master if mixed else shard.params,
+                         master_gradient(shard.grad, self.grad_scale) if mixed else shard.grad, shard.m, shard.v,
+                         step=self.step_count, lr=self.lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                         weight_decay=shard.weight_decay)
+            if mixed:
+                shard.params[...] = shard.master.astype(shard.params.dtype)  # rounded to 16 bits, then gathered
         if self.stage < 3:
             handles = [s.comm.all_gather(s.params, sizes=s.sizes, async_op=True, algorithm="ring", label="params",
                                          out=s.flat) for s in self.shards]  # in place: s.params is s.flat's slice
@@ -301,10 +321,10 @@ class ZeRO(ReplicatedModel, Optimizer):
     def zero_grad(self) -> None:
         super().zero_grad()
         for shard in self.shards:
-            shard.grad = None
+            shard.grad = shard.buffer = None
 
     def state_arrays(self) -> list[Any]:
-        return [a for s in self.shards for a in (s.m, s.v)]
+        return [a for s in self.shards for a in (s.m, s.v, s.master) if a is not None]
 
     # ------------------------------------------------------------------------------- reporting
     def formula_bytes(self) -> float:
@@ -342,13 +362,21 @@ class ZeRO(ReplicatedModel, Optimizer):
         """Adam's moments by parameter name, gathered whole from the shards (all ranks must call)."""
         return {"exp_avg": self._gathered(lambda s: s.m), "exp_avg_sq": self._gathered(lambda s: s.v)}
 
+    def master_state(self, names: dict[int, str] | None = None) -> dict[str, Any]:
+        """The float32 master weights by name, gathered whole (empty for a full-precision model; all ranks call)."""
+        return self._gathered(lambda s: s.master) if any(s.master is not None for s in self.shards) else {}
+
     def import_state(self, exp_avg: dict[str, Any], exp_avg_sq: dict[str, Any], names: dict[int, str] | None = None,
-                     step: int = 0) -> None:
-        """Take this rank's slice of full per-name moments (e.g. from a checkpoint saved in another layout)."""
+                     step: int = 0, master: dict[str, Any] | None = None) -> None:
+        """Take this rank's slice of full per-name moments — and float32 master weights, for a 16-bit model — e.g.
+        from a checkpoint saved in another layout."""
         names = {id(p): n for n, p in self.module.named_parameters()}
         for shard in self.shards:
-            for moments, target in ((exp_avg, shard.m), (exp_avg_sq, shard.v)):
-                flat = shard.bucket.flatten([to_device(moments[names[id(p)]]) for p in shard.bucket.params])
+            pairs = [(exp_avg, shard.m), (exp_avg_sq, shard.v)] + ([(master, shard.master)] if master and
+                                                                   shard.master is not None else [])
+            for full, target in pairs:
+                flat = xp.concatenate([to_device(full[names[id(p)]], dtype=target.dtype).reshape(-1)
+                                       for p in shard.bucket.params])
                 target[...] = flat[shard.lo:shard.hi]
         self.step_count = step
 
