@@ -369,7 +369,8 @@ def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any,
     params = {**engine.gathered_state_dict(), **optimizer.master_state(names)}  # a 16-bit model's float32 masters
     state = {"param": params, **optimizer.export_state(names)}
     if mesh.ep > 1:  # whole experts, from every ep rank's share
-        state = {kind: gather_expert_state(tensors, mesh.ep_comm, expert_names(model)) for kind, tensors in state.items()}
+        experts = expert_names(model)
+        state = {kind: gather_expert_state(tensors, mesh.ep_comm, experts) for kind, tensors in state.items()}
     state = state if mesh.grad_comm.rank == 0 else None
     saved = save_checkpoint(args.save, step, state, mesh, model.config, args.zero, optimizer.step_count)
     if mesh.world.rank == 0:

@@ -148,7 +148,7 @@ class ZeRO(ReplicatedModel, Optimizer):
         Optimizer.__init__(self, self.params, lr)
         if replicas is not None and expert_comm is not None and expert_comm is not comm:
             raise ValueError("hybrid sharding (--shard-group) with expert parallelism is not supported")
-        self.comm, self.stage, self.replicas = comm, stage, replicas if replicas is not None and replicas.size > 1 else None
+        self.stage, self.replicas = stage, replicas if replicas is not None and replicas.size > 1 else None  # comm: per shard
         self.beta1, self.beta2, self.eps = betas[0], betas[1], eps
         self.prefetch, self.gather_wait_s = prefetch, 0.0
         self.in_flight: deque[Handle] = deque()  # reduce-scatters not yet known to be done, oldest first
