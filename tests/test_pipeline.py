@@ -40,7 +40,7 @@ def reference8(tmp_path_factory):
 
 
 NEW_SCHEDULES = [("interleaved", 2, 2, 4, []), ("interleaved", 2, 2, 8, []), ("interleaved", 4, 2, 4, []),
-                 ("interleaved", 4, 2, 8, []), ("zb-h1", 2, 1, 4, []), ("zb-h1", 4, 1, 4, []), ("zb-h1", 2, 1, 2, []),
+                 ("interleaved", 4, 2, 8, []), ("zb-h1", 2, 1, 4, []), ("zb-h1", 4, 1, 4, []), ("zb-h1", 2, 1, 2, []), ("zb-h1", 3, 1, 4, []),
                  ("interleaved", 2, 2, 4, ["--dp", "2"]), ("zb-h1", 2, 1, 4, ["--dp", "2", "--zero", "1"]),
                  ("interleaved", 2, 2, 2, ["--dp", "2", "--tp", "2"]), ("zb-h1", 2, 1, 2, ["--dp", "2", "--tp", "2"])]
 
