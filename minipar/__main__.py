@@ -99,6 +99,12 @@ def plan_command(args: argparse.Namespace) -> None:
                   f"{profile.bandwidth / 1e9:.1f} GB/s, {profile.op_overhead * 1e6:.0f} µs framework time per layer, "
                   f"α = {profile.intra.alpha * 1e6:.1f} µs, 1/β = {1 / max(profile.intra.beta, 1e-30) / 1e9:.2f} GB/s -> {path}")
         return
+    if args.validate:
+        from minipar.parallel import validation
+
+        print("The planner against published runs (minipar/parallel/validation.py; A100-80GB profile):")
+        print(validation.report(planner.BUILTIN_PROFILES["a100-80gb"]))
+        return
     if args.preset:
         L, H, C, T, V = planner.PRESETS[args.preset]
     else:
@@ -193,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--no-context", action="store_true",
                     help="leave out context and sequence parallelism (the published 2021 runs had neither)")
     pl.add_argument("--top", type=int, default=10, help="layouts to print")
+    pl.add_argument("--validate", action="store_true",
+                    help="predict published large-scale runs (Megatron-LM 2021/2022) and print the errors")
     pl.add_argument("--calibrate", action="store_true",
                     help="measure this machine and save its profile (run under mpiexec -n WORLD)")
     tplot = commands.add_parser("trace-plot", help="draw a --trace timeline (text, and a PNG with -o)",

@@ -166,8 +166,8 @@ def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
                 print(f"auto: calibrated this machine for {world.size} rank(s) -> {path}", flush=True)
     if world.rank == 0:
         cfg = model_config(args)
-        recompute = {"none": False, "full": True}.get(args.recompute, args.recompute)  # the user's --recompute
-        ranked = planner.plan(cfg, world.size, args.batch_size, profile, planner.ITEMSIZE[model_dtype(args)], (recompute,))
+        ranked = planner.plan(cfg, world.size, args.batch_size, profile, planner.ITEMSIZE[model_dtype(args)],
+                              (args.recompute,))  # the user's --recompute
         best = ranked[0]
         if not best.feasible:
             raise ValueError(f"no layout of {world.size} ranks fits in {profile.memory / 1e9:.1f} GB per device")

@@ -37,7 +37,8 @@ def test_context_and_sequence_terms():
     assert two.breakdown["activations"] < 0.6 * one.breakdown["activations"]  # the sequence halves per rank
     assert two.breakdown["cp_comm"] > 0 and one.breakdown["cp_comm"] == 0
     tp_only, with_sp = (planner.predict(long, 8, planner.Layout(1, 4, 1, 0, 1, sp=sp), profile) for sp in (False, True))
-    assert with_sp.memory < tp_only.memory and with_sp.step_time == pytest.approx(tp_only.step_time)
+    assert with_sp.memory < tp_only.memory and with_sp.step_time < tp_only.step_time  # layer norms, dropout ÷ tp
+    assert with_sp.breakdown["tp_comm"] == tp_only.breakdown["tp_comm"]  # AG + RS move what the all-reduce did
     ulysses = planner.predict(long, 8, planner.Layout(1, 1, 1, 0, 1, cp=4, cp_kind="ulysses"), profile)
     ring = planner.predict(long, 8, planner.Layout(1, 1, 1, 0, 1, cp=4), profile)
     assert ulysses.breakdown["activations"] > ring.breakdown["activations"]  # Ulysses scores all T keys

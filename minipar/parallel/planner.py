@@ -3,19 +3,23 @@ step time predicted from a cost model of the hardware, ranked.
 
 Cost model, per optimizer step on the busiest device (t = b·T tokens per microbatch, b = B/(dp·m)):
 
-    compute   per layer and microbatch  (2·t·12C² + 4·b·T²·C)·3 / tp  GEMM FLOPs at ``flops``
-              (×4/3 with full recomputation, + half the attention again with selective), + the memory-bound passes (layer norms, GELU,
-              softmax, residuals: ``passes_act``·t·C + ``passes_att``·b·H·T² elements, ÷tp) at
-              ``bandwidth``, + ``ops_per_layer`` launches at ``op_overhead``; the head adds 6·t·C·V/tp.
-    tensor    4 ring all-reduces of t·C values per layer and microbatch: 2(tp−1)α + 2(tp−1)/tp·nβ each
+    compute   per layer and microbatch  (2·t·12C² + 4·b·T²·C)·3 / tp  GEMM FLOPs at ``flops`` ×
+              ``gemm_efficiency`` (×4/3 with full recomputation, + half the attention again with selective),
+              + the memory-bound passes at ``bandwidth``: ``passes_act``·t·C/tp (inside the tp regions),
+              ``passes_replicated``·t·C (layer norms, dropout, residuals: on every tp rank, ÷tp with sp) and
+              ``passes_att``·b·H·T²/tp (unfused attention scores; the forward's 40% again with selective
+              recomputation), + ``ops_per_layer`` launches at ``op_overhead``; the head adds 6·t·C·V/tp.
+    tensor    4 ring all-reduces of t·C values per layer and microbatch (6 with full recomputation: the
+              recomputed forward repeats its two): 2(tp−1)α + 2(tp−1)/tp·nβ each
     pipeline  m microbatch slots of the slowest stage stretched by the schedule's bubble f
               (schedules.bubble_formula: 1F1B (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1), ZB-H1
               (p−1)/(3m+p−1)): m·slot/(1 − f); per microbatch and chunk boundary one activation
-              forward, one gradient back: 2v(α + t·C·itemsize·β)
+              forward, one gradient back: 2v(α + t·C·itemsize·β) (÷tp with ``p2p_split``)
     data      ring all-reduce of the rank's Ψ_l = Ψ_stage/tp parameters, 2(dp−1)/dp·Ψ_l·itemsize·β, of
               which ``overlap`` hides behind backward (hybrid sharding over K: the ring within K ranks,
-              then an all-reduce of Ψ_l/K across the dp/K groups); ZeRO-3 adds the forward all-gathers, exposed
-              (minipar gathers a block when it is needed, without prefetching); + the AdamW pass
+              then an all-reduce of Ψ_l/K across the dp/K groups); ZeRO-3 all-gathers Ψ_l per microbatch
+              forward and backward (and in the recomputed forward), prefetched: exposed is what compute
+              (× ``overlap``) cannot hide, at least one unit's gather; + the AdamW pass
     context   cp ranks split each sequence: per rank t/cp tokens and 1/cp of the attention FLOPs (zigzag
               balances the causal work). Ring: per layer and microbatch cp−1 exchanges of K|V
               (2·t·C/(cp·tp) values) forward, each hidden behind the attention of the block in hand
@@ -70,7 +74,7 @@ class Link:
 @dataclass
 class Profile:
     name: str
-    flops: float                 # achieved GEMM FLOP/s per device
+    flops: float                 # GEMM FLOP/s per device: measured (CPU), or the datasheet peak (GPU) ...
     bandwidth: float             # bytes/s of memory-bound work
     op_overhead: float           # seconds per launched op (Python dispatch, kernel launch); calibrated: per layer
     memory: float                # bytes per device
@@ -80,19 +84,22 @@ class Profile:
     overlap: float = 0.5         # share of data-parallel communication hidden behind backward
     cores: int | None = None     # CPU: all ranks of a node share this many cores
     contention: float = 1.0      # CPU: how much slower each rank computes when all ranks compute at once
-    passes_act: float = 255.0    # memory-bound element passes per layer over t·C (fwd+bwd), minipar's ops
-    passes_att: float = 39.0     # ... over b·H·T² (unfused attention)
+    passes_act: float = 255.0    # memory-bound element passes per layer over t·C (fwd+bwd), minipar's ops, ÷tp
+    passes_att: float = 39.0     # ... over b·H·T² (unfused attention; 0 with flash attention)
+    passes_replicated: float = 0.0  # ... over t·C that every tp rank repeats unless --sp (layer norms, dropout, residuals)
+    p2p_split: bool = False      # pipeline sends split over the tp ranks (Megatron's scatter/gather), else whole on each
     ops_per_layer: float = 100.0
     gemm_flops_by_rows: dict[str, float] = field(default_factory=dict)  # measured FLOP/s of an (M×C)(C×4C) GEMM by M
     alpha_by_group: dict[str, float] = field(default_factory=dict)      # ring step latency with every rank busy, by group size
+    gemm_efficiency: float = 1.0  # ... × the share of it a large GEMM reaches (GPU: fitted, validation.py)
 
     def gemm_flops(self, rows: float) -> float:
         """Achieved GEMM FLOP/s for ``rows``-row operands: log-interpolated from the calibration table, else ``flops``."""
         if not self.gemm_flops_by_rows:
-            return self.flops
+            return self.flops * self.gemm_efficiency
         points = sorted((int(k), v) for k, v in self.gemm_flops_by_rows.items())
         xs, ys = np.log([p[0] for p in points]), [p[1] for p in points]
-        return float(np.interp(np.log(max(rows, 1.0)), xs, ys))
+        return float(np.interp(np.log(max(rows, 1.0)), xs, ys)) * self.gemm_efficiency
 
     def link(self, group: int, span: int) -> Link:
         """The link of a ``group``-rank group spread over ``span`` consecutive ranks (latency as measured under load)."""
@@ -113,16 +120,20 @@ class Profile:
                              "recalibrate with plan --calibrate") from None
 
 
-# Datasheet numbers × typical achieved fractions (cuBLAS ≈ 80% of dense bf16 peak at large sizes, ~80% of
-# HBM bandwidth; NCCL ring bandwidth ≈ NVLink per-direction rate; one HDR/NDR NIC per GPU); fused
-# kernels and flash attention (Megatron) make far fewer memory-bound passes than minipar's numpy ops.
+# Datasheet peaks (dense bf16 GEMM, HBM, NVLink per direction, one 200/400 Gb/s NIC per GPU) × the share a
+# large GEMM reaches, ``gemm_efficiency``: fitted to Korthikanti et al. 2022's runs (validation.py; the
+# H100 takes the A100's share — no published H100 run with a stated layout is in the validation set yet).
+# Memory-bound passes per layer, fwd+bwd, with fused kernels: sharded over tp 30·t·C (QKV and GELU
+# activations, bias-GELU, head transposes), on every tp rank 22·t·C (two layer norms and two bias-dropout-
+# residual adds); attention scores never reach memory (flash attention) — Megatron-LM before flash attention
+# made 16 passes over b·H·T² (scores, masked softmax, dropout and their gradients; validation.py).
 BUILTIN_PROFILES = {
-    "a100-80gb": Profile("a100-80gb", flops=0.8 * 312e12, bandwidth=0.8 * 2.0e12, op_overhead=8e-6, memory=80e9,
-                         devices_per_node=8, intra=Link(8e-6, 1 / 240e9), inter=Link(15e-6, 1 / 23e9), overlap=0.9,
-                         passes_act=40.0, passes_att=0.0, ops_per_layer=30.0),
-    "h100-80gb": Profile("h100-80gb", flops=0.75 * 989e12, bandwidth=0.8 * 3.35e12, op_overhead=6e-6, memory=80e9,
-                         devices_per_node=8, intra=Link(6e-6, 1 / 360e9), inter=Link(12e-6, 1 / 45e9), overlap=0.9,
-                         passes_act=40.0, passes_att=0.0, ops_per_layer=30.0),
+    "a100-80gb": Profile("a100-80gb", flops=312e12, gemm_efficiency=0.75, bandwidth=0.8 * 2.0e12, op_overhead=8e-6,
+                         memory=80e9, devices_per_node=8, intra=Link(8e-6, 1 / 240e9), inter=Link(15e-6, 1 / 23e9),
+                         overlap=0.9, passes_act=30.0, passes_replicated=22.0, passes_att=0.0, ops_per_layer=30.0),
+    "h100-80gb": Profile("h100-80gb", flops=989e12, gemm_efficiency=0.75, bandwidth=0.8 * 3.35e12, op_overhead=6e-6,
+                         memory=80e9, devices_per_node=8, intra=Link(6e-6, 1 / 360e9), inter=Link(12e-6, 1 / 45e9),
+                         overlap=0.9, passes_act=30.0, passes_replicated=22.0, passes_att=0.0, ops_per_layer=30.0),
 }
 
 
@@ -196,18 +207,23 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     mlp_rows = expert_rows(cfg, t) if cfg.n_expert else t / tp  # a mixture-of-experts MLP is whole on every tp rank
     layer_flops = (2 * t * 4 * C * C / tp + 2 * mlp_rows * 8 * C * C + attention_flops) * passes
     layer_flops += attention_flops / 2 if recompute == "selective" else 0.0  # q·kᵀ again for the probabilities
-    layer_bytes = (profile.passes_act * t * C + profile.passes_att * b * H * T * T / cp) / tp * itemsize * passes / 3
+    attention_passes = profile.passes_att * (1 + 0.4 if recompute == "selective" else passes / 3)  # forward ≈ 40%
+    replicated = profile.passes_replicated * t * C / (tp if layout.sp else 1)
+    layer_bytes = ((profile.passes_act * t * C / tp + replicated) * passes / 3
+                   + attention_passes * b * H * T * T / (cp * tp)) * itemsize
     flops = profile.gemm_flops(t)
     layer_time = (layer_flops / flops + layer_bytes / profile.bandwidth + profile.ops_per_layer * profile.op_overhead)
     head_time = 6 * t * C * V / tp / flops + 4 * t * V / tp * itemsize / profile.bandwidth
     tp_link = profile.link(tp, tp)
-    tp_time = (4 * L / pp + 2) * _ring_all_reduce(t * C * itemsize, tp, tp_link) if tp > 1 else 0.0
+    all_reduces = 6 if recompute == "full" else 4  # per layer: 2 forward, 2 backward, 2 in the recomputed forward
+    tp_time = (all_reduces * L / pp + 2) * _ring_all_reduce(t * C * itemsize, tp, tp_link) if tp > 1 else 0.0
     cp_time = math.ceil(L / pp) * context_time(layout, t * C / tp * itemsize, attention_flops / flops / cp,
                                                profile.link(cp, cp * tp)) if cp > 1 else 0.0
     ep_time = math.ceil(L / pp) * expert_time(cfg, layout, t * C * itemsize, profile.link(layout.ep, layout.ep * cp * tp))
     pp_link = profile.link(world, world)
     v = layout.virtual_stages
-    pp_time = 2 * v * (pp_link.alpha + t * C * itemsize * pp_link.beta) if pp > 1 else 0.0
+    pp_bytes = t * C * itemsize / (tp if profile.p2p_split else 1)
+    pp_time = 2 * v * (pp_link.alpha + pp_bytes * pp_link.beta) if pp > 1 else 0.0
     stage_compute = (math.ceil(L / pp) * layer_time + head_time) * share
     microbatch = stage_compute + tp_time + cp_time + ep_time + pp_time
     pipeline_time = m * microbatch / (1 - bubble_formula(layout.schedule, pp, m, v)) if pp > 1 else m * microbatch
@@ -219,7 +235,11 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
         dp_comm += _ring_all_reduce(psi * itemsize, shards, profile.link(shards, shards * tp))
         dp_comm += _ring_all_reduce(psi / shards * itemsize, group // shards, profile.link(group // shards, replicas * tp))
         optimizer_words += 7 * 4 * psi / (shards if layout.zero else 1)
-    exposed_dp = dp_comm * (1 - profile.overlap) + (dp_comm / 2 * m if layout.zero == 3 else 0.0)
+    exposed_dp = dp_comm * (1 - profile.overlap)
+    if layout.zero == 3:  # the reduce-scatter as above; the all-gathers (forward, backward, recomputed forward) of
+        gathers = m * (3 if recompute == "full" else 2) * dp_comm / 2  # each microbatch, prefetched one unit ahead:
+        units = math.ceil(L / pp) + 1                                    # hidden behind compute, but the first
+        exposed_dp = dp_comm / 2 * (1 - profile.overlap) + max(gathers / units, gathers - profile.overlap * m * stage_compute)
     optimizer = optimizer_words / profile.bandwidth * share
     step = pipeline_time + exposed_dp + optimizer
 
@@ -291,7 +311,7 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
     in_flight = 1 if pp == 1 else peak_microbatches(layout.schedule, pp, m, layout.virtual_stages)
     layers = math.ceil(L / pp)
     if layout.recompute_mode == "full":
-        activations = (layers * t * C * itemsize + per_layer_act) * in_flight
+        activations = layers * t * C * itemsize * in_flight + per_layer_act  # + the one layer being recomputed
     else:
         activations = layers * per_layer_act * in_flight
     logits = 2 * t * V / tp * itemsize
@@ -332,7 +352,7 @@ def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool | t
                 if batch_size % dp:
                     continue
                 counts = sorted({2**k for k in range(20) if 2**k <= batch_size // dp} | {batch_size // dp})
-                counts = [m for m in counts if (batch_size // dp) % m == 0 and (pp > 1 or m == 1)]  # no pipeline: m = 1
+                counts = [m for m in counts if (batch_size // dp) % m == 0]
                 experts = [ep for ep in range(1, dp + 1) if dp % ep == 0 and cfg.n_expert % ep == 0] if moe else [1]
                 for kind, sp in context_options(cfg, cp, tp) if context else [("ring", False)]:
                     for zero in range(4):
