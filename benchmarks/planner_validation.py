@@ -1,10 +1,13 @@
-"""The planner's predicted step time against the measured one, for every layout at 4 and 8 ranks.
+"""The planner's predicted step time and memory against the measured ones, for layouts at 4 and 8 ranks.
 
-    python benchmarks/planner_validation.py [--worlds 4 8]     # calibrates each world size first
+    python benchmarks/planner_validation.py [--worlds 4 8] [--all]     # calibrates each world size first
 
-Every dp·tp·pp·zero layout the engine accepts (microbatches: 2·pp with a pipeline; context and sequence
-parallelism not yet validated here) is trained for a few steps through the CLI; the median step time is
-compared with planner.predict.
+Layouts: every dp·tp·pp·zero layout the engine accepts with 1F1B (microbatches: 2·pp with a pipeline), plus
+one of each further kind — sequence parallelism, ring and Ulysses context parallelism, the interleaved and
+ZB-H1 schedules — where the world allows (``--all``: every layout with 2·pp microbatches). Each is trained
+for a few steps through the CLI (float32, ``--peak-memory``); printed per layout: predicted and measured
+median step time, the planner's model-state bytes against the counted ones of rank 0 (the step JSON's
+``model_state_bytes``), and the planner's states + activations against rank 0's traced peak.
 """
 import argparse
 import json
@@ -19,44 +22,64 @@ from minipar.parallel import planner
 from minipar.testing import RANK_ENV, mpiexec
 
 
+def layouts_for(cfg: GPTConfig, world: int, batch: int, every: bool) -> list[planner.Layout]:
+    candidates = [lay for lay in planner.enumerate_layouts(cfg, world, batch)
+                  if lay.microbatches == (2 * lay.pp if lay.pp > 1 else 1) and not lay.shard_group]
+    base = [lay for lay in candidates if lay.cp == 1 and not lay.sp and lay.schedule == "1f1b"]
+    if every:
+        return candidates
+    kinds = [lambda lay: lay.sp and lay.cp == 1, lambda lay: lay.cp > 1 and lay.cp_kind == "ring",
+             lambda lay: lay.cp > 1 and lay.cp_kind == "ulysses", lambda lay: lay.schedule == "interleaved",
+             lambda lay: lay.schedule == "zb-h1"]
+    return base + [next(lay for lay in candidates if kind(lay) and lay.zero == 0) for kind in kinds
+                   if any(kind(lay) and lay.zero == 0 for lay in candidates)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worlds", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--all", action="store_true", help="every layout (hundreds of runs), not one per further kind")
     ap.add_argument("--profile", help="default: this machine's calibration")
     args = ap.parse_args()
     cfg = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=8, n_embd=128)
     batch = 16
     model = ["--n-layer", "8", "--n-head", "8", "--n-embd", "128", "--block-size", "64", "--batch-size", str(batch)]
     print(f"GPT L=8 H=8 C=128 T=64, batch {batch}, float32")
-    print(f"{'world':>5}  {'layout':<30}{'predicted ms':>13}{'measured ms':>13}{'error':>8}")
-    errors = []
+    print(f"{'world':>5}  {'layout':<40}{'pred ms':>9}{'meas ms':>9}{'error':>7}{'pred states MB':>16}{'counted MB':>12}"
+          f"{'error':>7}{'pred total MB':>15}{'peak MB':>9}{'error':>7}")
+    errors, memory_errors = [], []
     for world in args.worlds:
         pairs = []
         if not args.profile:
             subprocess.run([mpiexec(), "-n", str(world), sys.executable, "-m", "minipar", "plan", "--calibrate"],
                            check=True, capture_output=True, env={**os.environ, **RANK_ENV})
         profile = planner.load_profile(args.profile, world)
-        layouts = [lay for lay in planner.enumerate_layouts(cfg, world, batch, context=False, schedules=("1f1b",))
-                   if lay.microbatches == (2 * lay.pp if lay.pp > 1 else 1)]
-        for lay in layouts:
-            predicted = planner.predict(cfg, batch, lay, profile).step_time * 1e3
+        for lay in layouts_for(cfg, world, batch, args.all):
+            predicted = planner.predict(cfg, batch, lay, profile)
             command = [mpiexec(), "-n", str(world), sys.executable, "-m", "minipar", "train", *model, *lay.flags(),
-                       "--steps", str(args.steps), "--eval-interval", "0", "--json"]
+                       "--steps", str(args.steps), "--eval-interval", "0", "--json", "--peak-memory"]
             out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **RANK_ENV}, timeout=600)
             if out.returncode:
-                print(f"{world:>5}  {str(lay):<30}  failed: {out.stderr.strip().splitlines()[-1]}")
+                print(f"{world:>5}  {str(lay):<40}  failed: {out.stderr.strip().splitlines()[-1]}")
                 continue
-            ms = [json.loads(line)["ms"] for line in out.stdout.splitlines() if line.startswith("{")][2:]
-            measured = float(np.median(ms))
-            errors.append(abs(predicted - measured) / measured)
-            pairs.append((predicted, measured))
-            print(f"{world:>5}  {str(lay):<30}{predicted:>13.1f}{measured:>13.1f}{(predicted - measured) / measured:>+8.0%}",
+            records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+            measured = float(np.median([r["ms"] for r in records[2:]]))
+            counted = sum(records[-1]["model_state_bytes"].values())
+            peak = records[-1]["peak_bytes"]["rank0"]
+            states, total = predicted.breakdown["model_states"], predicted.memory
+            errors.append(abs(predicted.step_time * 1e3 - measured) / measured)
+            memory_errors.append(abs(states - counted) / counted)
+            pairs.append((predicted.step_time, measured))
+            print(f"{world:>5}  {str(lay):<40}{predicted.step_time * 1e3:>9.1f}{measured:>9.1f}"
+                  f"{predicted.step_time * 1e3 / measured - 1:>+7.0%}{states / 1e6:>16.2f}{counted / 1e6:>12.2f}"
+                  f"{states / counted - 1:>+7.1%}{total / 1e6:>15.2f}{peak / 1e6:>9.2f}{total / peak - 1:>+7.0%}",
                   flush=True)
         if len(pairs) > 2:  # does the planner order the layouts as the machine does?
             ranks = [np.argsort(np.argsort([p[i] for p in pairs])) for i in (0, 1)]
             print(f"  world {world}: Spearman rank correlation predicted vs measured {np.corrcoef(*ranks)[0, 1]:.2f}")
-    print(f"mean |error| {np.mean(errors):.0%}, median {np.median(errors):.0%} over {len(errors)} layouts")
+    print(f"step time: mean |error| {np.mean(errors):.0%}, median {np.median(errors):.0%}; model states: max |error| "
+          f"{np.max(memory_errors):.1%} over {len(errors)} layouts")
 
 
 if __name__ == "__main__":

@@ -89,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="bf16-mixed / fp16-mixed: 16-bit parameters, activations, gradients and messages, float32 "
                           "master weights and Adam moments (fp16 with dynamic loss scaling); fp32: --dtype throughout")
     run.add_argument("--loss-scale", type=float, default=2.0**16, help="fp16-mixed: the initial dynamic loss scale")
+    run.add_argument("--reduce-dtype", choices=["auto", "float32"], default="auto",
+                     help="data-parallel gradient reduction: auto = in the parameters' dtype (16-bit under mixed "
+                          "precision), float32 = upcast first (twice the bytes, no 16-bit rounding in the sum)")
     run.add_argument("--recompute", choices=list(RECOMPUTE), default="none",
                      help="activation recomputation: selective = attention probabilities, full = whole blocks")
     run.add_argument("--seed", type=int, default=0, help="initialization and data order")
@@ -325,8 +328,7 @@ def check_memory(cfg: GPTConfig, args: argparse.Namespace, world_size: int) -> N
                             virtual_stages=args.virtual_stages, shard_group=args.shard_group or 0,
                             recompute=args.recompute)
     states, activations = planner.memory_per_rank(cfg, args.batch_size, layout, itemsize)
-    # the planner's 16Ψ: 4-byte words in the pure modes, the bytes of mixed precision's 2 + 2 + 12
-    per_rank = states * (1 if args.precision != "fp32" else itemsize / 4) + activations
+    per_rank = states + activations
     # on the CPU the ranks on this machine share its memory; on GPUs each rank has its own device
     ranks_here = int(os.environ.get("MPI_LOCALNRANKS", world_size)) if args.device == "cpu" else 1
     available = memory_available()
@@ -383,16 +385,18 @@ def build_engine(model: GPT, mesh: Mesh, args: argparse.Namespace) -> tuple[Any,
     parameters reduce over their own replicas. With --local-sgd the replicas do not synchronize gradients at
     all (LocalSGD averages them later)."""
     comm, experts = mesh.grad_comm, (mesh.expert_grad_comm if mesh.ep > 1 else None)
+    reduce_dtype = np.float32 if args.reduce_dtype == "float32" else None
     if args.local_sgd:
         alone = comm.split(color=comm.rank, name="local")
         return DataParallel(model, alone), AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if args.zero:
         engine = ZeRO(model, mesh.shard_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
                       bucket_mb=args.bucket_mb, expert_comm=experts, replicas=mesh.shard_replica_comm,
-                      prefetch=not args.no_prefetch)
+                      prefetch=not args.no_prefetch, reduce_dtype=reduce_dtype)
         return engine, engine
     compression = make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)
-    return (DataParallel(model, comm, args.bucket_mb, compression=compression, expert_comm=experts),
+    return (DataParallel(model, comm, args.bucket_mb, compression=compression, expert_comm=experts,
+                         reduce_dtype=reduce_dtype),
             AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay))
 
 

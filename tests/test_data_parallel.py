@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from minipar.parallel import planner
 from minipar.testing import assert_same_training, run_command, run_ranks, train_cli
 
 MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
@@ -58,6 +59,8 @@ def test_model_state_memory_drops_with_zero_stage(tmp_path):
     assert abs(total[1] - (2 + 2 / p) * psi_bytes) <= 0.01 * psi_bytes     # 8Ψ + 8Ψ/p (the reduced slice in place)
     assert abs(total[2] - (1 + 3 / p) * psi_bytes) <= 0.01 * psi_bytes     # 4Ψ + 12Ψ/p
     assert total[3] <= 1.05 * 4 * psi_bytes / p                            # ≤ 1.05 · 16Ψ/p
+    for zero, counted in total.items():  # the planner's memory model predicts the counted bytes
+        assert planner.model_state_bytes(psi_bytes / 4, p, zero, 4) == pytest.approx(counted, rel=0.05)
     assert states[3]["params"] <= 1.01 * psi_bytes / p
 
 

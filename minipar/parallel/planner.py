@@ -35,9 +35,9 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
               reduce over dp·cp/ep ranks
     links     a group inside one node (``devices_per_node``) uses ``intra``, else ``inter`` (α, β)
 
-Memory per device: model states 16Ψ_l (DP), 8Ψ_l + 12Ψ_l/dp (ZeRO-1), 4Ψ_l + 12Ψ_l/dp (ZeRO-2),
-16Ψ_l/dp (ZeRO-3) (expert parameters: Ψ_e/ep sharded over dp·cp/ep) — bytes of float32 params, grads, m, v, or of bf16 params/grads + fp32 master
-and moments, both 16 per parameter; activations per layer and microbatch
+Memory per device: model states (``model_state_bytes``; mixed precision 16Ψ_l (DP), 4Ψ_l + 12Ψ_l/dp (ZeRO-1),
+2Ψ_l + 14Ψ_l/dp (ZeRO-2), 16Ψ_l/dp (ZeRO-3); float32 16Ψ_l, 8Ψ_l + 8Ψ_l/dp, 4Ψ_l + 12Ψ_l/dp, 16Ψ_l/dp)
+(expert parameters: Ψ_e/ep sharded over dp·cp/ep); activations per layer and microbatch
 s·b·h·(10 + 24/tp + 5·a·s/(h·tp)) at 2 bytes (Korthikanti et al. 2022; ×itemsize/2), with sequence
 parallelism s·b·h·(34/tp + 5·a·s/(h·tp)), with context parallelism s = T/cp per rank (Ulysses keeps the
 score term of the full T for a/cp heads: 5·a·T²/(cp·h·tp)), for the microbatches a stage holds at once
@@ -299,8 +299,7 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
     t = b * s
     states = 0.0
     for psi, n in local_parameter_groups(cfg, layout):  # ZeRO shards each group over its replicas (or K of them)
-        n = layout.shard_group or n
-        states += {0: 16 * psi, 1: 8 * psi + 12 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[layout.zero]
+        states += model_state_bytes(psi, layout.shard_group or n, layout.zero, itemsize)
     linear = 34 / tp if layout.sp else 10 + 24 / tp
     if cfg.n_expert:
         linear += 16 * (cfg.capacity_factor * cfg.expert_top_k - 1 / tp)
@@ -316,6 +315,16 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
         activations = layers * per_layer_act * in_flight
     logits = 2 * t * V / tp * itemsize
     return states, activations + logits
+
+
+def model_state_bytes(psi: float, n: int, zero: int, itemsize: int) -> float:
+    """Bytes per rank of Ψ parameters' model states, ZeRO ``zero`` over n ranks: parameters and gradients of
+    ``itemsize`` bytes, Adam's moments (and, for 16-bit parameters, the float32 master) — 2 + 2 + 12 = 16 per
+    parameter mixed, 4 + 4 + 8 in float32: stage 1 shards the optimizer, 2 the gradients too, 3 everything
+    (ZeRO paper, mixed precision: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N)."""
+    optimizer = 12 if itemsize == 2 else 2 * itemsize
+    return {0: (2 * itemsize + optimizer) * psi, 1: 2 * itemsize * psi + optimizer * psi / n,
+            2: itemsize * psi + (itemsize + optimizer) * psi / n, 3: (2 * itemsize + optimizer) * psi / n}[zero]
 
 
 def context_options(cfg: Any, cp: int, tp: int) -> list[tuple[str, bool]]:
