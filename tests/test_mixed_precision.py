@@ -7,6 +7,7 @@ import pytest
 
 from minipar.checkpoint import load_checkpoint
 from minipar.models.gpt import GPTConfig
+from minipar.parallel import planner
 from minipar.testing import train_cli
 
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", "8",
@@ -20,6 +21,7 @@ def test_model_state_is_the_papers_table(n, zero, table):
     records, _ = train_cli([*TINY, "--steps", "2", "--precision", "bf16-mixed", "--dp", str(n), "--zero", str(zero)], n)
     psi = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32).num_parameters()
     assert sum(records[-1]["model_state_bytes"].values()) == pytest.approx(table(n) * psi, rel=0.02)
+    assert planner.model_state_bytes(psi, n, zero, 2) == pytest.approx(table(n) * psi)  # what the planner plans with
 
 
 @pytest.fixture(scope="module")
@@ -56,3 +58,23 @@ def test_resume_keeps_the_float32_masters(tmp_path):
                             "--resume", str(tmp_path / "b" / "step_000003")], 2)
     assert load_checkpoint(str(tmp_path / "a")).params["transformer.wte.weight"].dtype == np.float32  # masters
     np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in whole[3:]], rtol=1e-2)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 3])
+def test_float32_gradient_reduction_sends_float32_and_trains_alike(fp32, zero):
+    """--reduce-dtype float32: the 16-bit gradients are upcast before the data-parallel reduction — twice the
+    bytes of the 16-bit reduction, each rank's counted bytes still the formula's — and training stays with fp32."""
+    runs = {reduce: train_cli([*TINY, "--steps", "3", "--precision", "bf16-mixed", "--dp", "2", "--zero", str(zero),
+                               "--reduce-dtype", reduce], 2)[0] for reduce in ("auto", "float32")}
+    grads = {reduce: records[-1]["comm_bytes_by_op"]["grads"] for reduce, records in runs.items()}
+    assert grads["float32"] == 2 * grads["auto"]
+    for records in runs.values():
+        assert records[-1]["comm_bytes"] == pytest.approx(records[-1]["comm_formula_bytes"], rel=1e-6)
+    np.testing.assert_allclose([r["loss"] for r in runs["float32"]], fp32[:3], rtol=2e-2)
+
+
+def test_expert_parallel_trains_under_mixed_precision():
+    moe = [*TINY, "--steps", "6", "--n-expert", "4", "--dp", "2", "--ep", "2"]
+    reference = [r["loss"] for r in train_cli(moe, 2)[0]]
+    records, _ = train_cli([*moe, "--precision", "bf16-mixed"], 2)
+    np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-2)

@@ -39,15 +39,18 @@ from minipar.nn import Module, Parameter
 
 
 class Bucket:
-    """Parameters whose gradients travel together as one flat buffer of ``size`` elements, reduced over ``comm``
-    and then multiplied by ``scale`` (1 but for expert parameters: see :func:`replica_groups`)."""
+    """Parameters whose gradients travel together as one flat buffer of ``size`` elements of ``grad_dtype`` (the
+    parameters' dtype, or float32 to reduce 16-bit gradients in full precision), reduced over ``comm`` and then
+    multiplied by ``scale`` (1 but for expert parameters: see :func:`replica_groups`)."""
 
-    def __init__(self, params: list[Parameter], comm: Communicator | None = None, scale: float = 1.0):
+    def __init__(self, params: list[Parameter], comm: Communicator | None = None, scale: float = 1.0,
+                 grad_dtype: Any = None):
         self.params, self.comm, self.scale = params, comm, scale
         self.shapes = [p.shape for p in params]  # kept: ZeRO-3 empties the parameters themselves
         self.offsets = np.cumsum([0] + [p.size for p in params]).tolist()
         self.size = self.offsets[-1]
         self.dtype = params[0].dtype
+        self.grad_dtype = np.dtype(grad_dtype or self.dtype)
         self.buffer: Any = None      # the flat gradient while it is being assembled / reduced
         self.handle: Handle | None = None
         self.ready = 0               # how many of its parameters have a final gradient
@@ -61,17 +64,17 @@ class Bucket:
 
 
 def make_buckets(params: list[Parameter], bucket_bytes: float, comm: Communicator | None = None,
-                 scale: float = 1.0) -> list[Bucket]:
+                 scale: float = 1.0, grad_dtype: Any = None) -> list[Bucket]:
     """Consecutive runs of ``params`` (already in gradient-ready order) of about ``bucket_bytes`` each."""
     buckets, current, size = [], [], 0
     for p in params:
         if current and (size + p.data.nbytes > bucket_bytes or p.dtype != current[0].dtype):
-            buckets.append(Bucket(current, comm, scale))
+            buckets.append(Bucket(current, comm, scale, grad_dtype))
             current, size = [], 0
         current.append(p)
         size += p.data.nbytes
     if current:
-        buckets.append(Bucket(current, comm, scale))
+        buckets.append(Bucket(current, comm, scale, grad_dtype))
     return buckets
 
 
@@ -147,15 +150,16 @@ class ReplicatedModel:
 
 class DataParallel(ReplicatedModel):
     def __init__(self, model: Module, comm: Communicator, bucket_mb: float = 25.0, overlap: bool = True,
-                 compression: Any = None, expert_comm: Communicator | None = None):
+                 compression: Any = None, expert_comm: Communicator | None = None, reduce_dtype: Any = None):
         """``overlap=False`` starts every all-reduce only in ``sync_gradients`` (for measuring what overlap buys);
         ``compression`` (a minipar.parallel.compression.Compressor) replaces each bucket's all-reduce;
-        ``expert_comm``: where expert parameters reduce under expert parallelism."""
+        ``expert_comm``: where expert parameters reduce under expert parallelism; ``reduce_dtype`` (float32)
+        reduces 16-bit gradients in float32: twice the bytes, no rounding in the sum."""
         super().__init__(model)
         self.comm, self.overlap, self.compression = comm, overlap, compression
         groups = replica_groups(gradient_ready_order(model), comm, expert_comm)
         broadcast_parameters(groups)
-        self.buckets = [b for params, c, scale in groups for b in make_buckets(params, bucket_mb * 2**20, c, scale)
+        self.buckets = [b for params, c, scale in groups for b in make_buckets(params, bucket_mb * 2**20, c, scale, reduce_dtype)
                         if c.size > 1 or scale != 1.0]
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
@@ -165,7 +169,7 @@ class DataParallel(ReplicatedModel):
         if not self._sync:
             return
         if bucket.buffer is None:
-            bucket.buffer = xp.empty(bucket.size, dtype=bucket.dtype)
+            bucket.buffer = xp.empty(bucket.size, dtype=bucket.grad_dtype)
         bucket.slot(bucket.buffer, i)[...] = bucket.params[i].grad
         bucket.ready += 1
         if bucket.ready == len(bucket.params) and self.overlap:
@@ -186,7 +190,7 @@ class DataParallel(ReplicatedModel):
         for bucket in self.buckets:
             if bucket.handle is None:
                 if bucket.buffer is None:
-                    bucket.buffer = xp.zeros(bucket.size, dtype=bucket.dtype)
+                    bucket.buffer = xp.zeros(bucket.size, dtype=bucket.grad_dtype)
                 for i, p in enumerate(bucket.params):
                     if p.grad is None:
                         bucket.slot(bucket.buffer, i)[...] = 0
@@ -202,7 +206,7 @@ class DataParallel(ReplicatedModel):
     def formula_bytes(self) -> float:
         """Bytes one rank should send per synchronized step: ring all-reduce of Ψ elements, 2(p−1)/p·Ψ·itemsize
         (Ψ and p per replica group: the dense parameters over comm, the experts over expert_comm)."""
-        return sum(2 * (b.comm.size - 1) / b.comm.size * b.size * np.dtype(b.dtype).itemsize for b in self.buckets)
+        return sum(2 * (b.comm.size - 1) / b.comm.size * b.size * b.grad_dtype.itemsize for b in self.buckets)
 
     def model_state_bytes(self, optimizer: Any) -> dict[str, int]:
         """Counted bytes of the live parameter, gradient and optimizer-state arrays on this rank."""

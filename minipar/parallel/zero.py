@@ -141,7 +141,7 @@ class ZeRO(ReplicatedModel, Optimizer):
     def __init__(self, model: Module, comm: Communicator, stage: int, lr: float = 3e-4,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
                  bucket_mb: float = 25.0, expert_comm: Communicator | None = None,
-                 replicas: Communicator | None = None, prefetch: bool = True):
+                 replicas: Communicator | None = None, prefetch: bool = True, reduce_dtype: Any = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         ReplicatedModel.__init__(self, model)
@@ -161,7 +161,7 @@ class ZeRO(ReplicatedModel, Optimizer):
             bucket_bytes = min(bucket_mb * 2**20, sum(p.data.nbytes for p in self.params) / (4 * comm.size))  # 1 + 2
             # in flight) stay below one shard, never a whole model's gradients at once
             self.shards = [Shard(b, wd) for params, c, scale in replica_groups(gradient_ready_order(model), comm, expert_comm)
-                           for b in make_buckets(params, bucket_bytes, c, scale)]
+                           for b in make_buckets(params, bucket_bytes, c, scale, reduce_dtype)]
         else:
             units = default_units(model)
             inner = {id(p) for unit in units for p in unit.parameters()}
@@ -172,7 +172,7 @@ class ZeRO(ReplicatedModel, Optimizer):
                 by_unit[id(module)] = []
                 for params, c, scale in replica_groups(module.parameters() if module is not model else root, comm,
                                                        expert_comm):
-                    shard = Shard(Bucket(params, c, scale), wd)
+                    shard = Shard(Bucket(params, c, scale, reduce_dtype), wd)
                     self.shards.append(shard)
                     by_unit[id(module)].append(shard)
                     module.register_forward_pre_hook(lambda m, shard=shard: self._gather(shard, +1))
@@ -237,7 +237,7 @@ class ZeRO(ReplicatedModel, Optimizer):
         if self.stage == 1 and not self._sync:
             return
         if shard.buffer is None:
-            shard.buffer = xp.zeros(shard.bucket.size, dtype=shard.bucket.dtype)  # zeros: for unused parameters
+            shard.buffer = xp.zeros(shard.bucket.size, dtype=shard.bucket.grad_dtype)  # zeros: for unused parameters
         p = shard.bucket.params[i]
         shard.bucket.slot(shard.buffer, i)[...] = p.grad
         # stage 1 keeps the full gradients — in the flat buffer, which will also hold its reduced slice; from
@@ -248,7 +248,7 @@ class ZeRO(ReplicatedModel, Optimizer):
             self._launch(shard)
 
     def _launch(self, shard: Shard) -> None:
-        flat = shard.buffer if shard.buffer is not None else xp.zeros(shard.bucket.size, dtype=shard.bucket.dtype)
+        flat = shard.buffer if shard.buffer is not None else xp.zeros(shard.bucket.size, dtype=shard.bucket.grad_dtype)
         if self.stage >= 2:
             shard.buffer = None  # the reduce-scatter holds it until it is done
         if self.replicas is None:
@@ -328,14 +328,15 @@ class ZeRO(ReplicatedModel, Optimizer):
 
     # ------------------------------------------------------------------------------- reporting
     def formula_bytes(self) -> float:
-        """Bytes one rank should send per step: (2 or 3)(p−1)/p·Ψ·itemsize (ZeRO paper, §7), per replica group;
+        """Bytes one rank should send per step: (p−1)/p·Ψ per reduce-scatter and all-gather (ZeRO paper, §7: 2 or 3 of them; gradients in their reduce dtype), per replica group;
         with hybrid sharding also 2(R−1)/R times its shard for the all-reduce across the R groups."""
         total = 0.0
         for s in self.shards:
-            itemsize = np.dtype(s.bucket.dtype).itemsize
-            total += (3 if self.stage == 3 else 2) * (s.comm.size - 1) / s.comm.size * s.bucket.size * itemsize
+            params, grads = np.dtype(s.bucket.dtype).itemsize, s.bucket.grad_dtype.itemsize  # gathers, reductions
+            gathers = 2 if self.stage == 3 else 1
+            total += (s.comm.size - 1) / s.comm.size * s.bucket.size * (gathers * params + grads)
             if self.replicas:
-                total += 2 * (self.replicas.size - 1) / self.replicas.size * (s.hi - s.lo) * itemsize
+                total += 2 * (self.replicas.size - 1) / self.replicas.size * (s.hi - s.lo) * grads
         return total
 
     def model_state_bytes(self, optimizer: Any = None) -> dict[str, int]:
