@@ -20,15 +20,13 @@ import numpy
 
 _active: types.ModuleType = numpy
 
-import ml_dtypes  # noqa: E402  (bfloat16 for numpy, as JAX uses it)
-
-DTYPES = {"float32": numpy.float32, "float64": numpy.float64, "float16": numpy.float16, "bfloat16": ml_dtypes.bfloat16}
-LOW_PRECISION = (numpy.dtype(numpy.float16), numpy.dtype(ml_dtypes.bfloat16))  # 2-byte storage, fp32 arithmetic
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+LOW_PRECISION = ("float16", "bfloat16")  # 2-byte storage, fp32 arithmetic
 
 
 def is_low_precision(dtype: Any) -> bool:
     """float16 or bfloat16: stored in 2 bytes; minipar computes with them in float32 (autograd's autocast)."""
-    return dtype in LOW_PRECISION
+    return numpy.dtype(dtype).name in LOW_PRECISION
 
 
 class _ArrayModule:
@@ -200,7 +198,10 @@ def resolve_dtype(name: str | Any) -> Any:
     if isinstance(name, str):
         if name not in DTYPES:
             raise ValueError(f"unknown dtype {name!r}: expected one of {sorted(DTYPES)}")
-        return DTYPES[name]
+        if name == "bfloat16":  # numpy's bfloat16 comes from ml_dtypes (as JAX's does); imported on first use: 1 s
+            import ml_dtypes
+            return ml_dtypes.bfloat16
+        return getattr(numpy, name)
     return numpy.dtype(name).type
 
 
