@@ -275,7 +275,7 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
         if args.dtype != "float32":
             raise ValueError(f"--precision {args.precision} stores the model in 16 bits with float32 masters: "
                              f"drop --dtype {args.dtype} (it sets the pure modes)")
-        for flag, on in (("--cp", args.cp > 1), ("--local-sgd", args.local_sgd), ("--compression", args.compression != "none")):
+        for flag, on in (("--local-sgd", args.local_sgd), ("--compression", args.compression != "none")):
             if on:
                 raise ValueError(f"--precision {args.precision} is not supported with {flag} yet")
     if args.init_from and args.n_expert and resumed is None:

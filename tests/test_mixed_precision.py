@@ -31,7 +31,9 @@ def fp32():
 
 @pytest.mark.parametrize("ranks,layout", [(1, []), (2, ["--dp", "2"]), (2, ["--dp", "2", "--zero", "3"]),
                                           (2, ["--tp", "2", "--sp"]), (2, ["--pp", "2", "--microbatches", "2"]),
-                                          (2, ["--pp", "2", "--microbatches", "2", "--schedule", "zb-h1"])])
+                                          (2, ["--pp", "2", "--microbatches", "2", "--schedule", "zb-h1"]),
+                                          (2, ["--cp", "2"]), (2, ["--cp", "2", "--cp-kind", "ulysses", "--cp-split",
+                                                                   "contiguous"])])
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
 def test_every_engine_trains_close_to_fp32(fp32, ranks, layout, precision):
     records, _ = train_cli([*TINY, "--steps", "10", "--precision", precision, *layout], ranks)
@@ -78,3 +80,12 @@ def test_expert_parallel_trains_under_mixed_precision():
     reference = [r["loss"] for r in train_cli(moe, 2)[0]]
     records, _ = train_cli([*moe, "--precision", "bf16-mixed"], 2)
     np.testing.assert_allclose([r["loss"] for r in records], reference, rtol=2e-2)
+
+
+def test_ring_attention_sends_16_bit_blocks():
+    """Ring context parallelism computes each block in float32 but sends K|V (and dK|dV) in 16 bits."""
+    ring = ["--steps", "2", "--cp", "2"]
+    fp32_bytes, bf16_bytes = (train_cli([*TINY, *ring, "--precision", precision], 2)[0][-1]["comm_bytes_by_op"]
+                              for precision in ("fp32", "bf16-mixed"))
+    for direction in ("cp_forward", "cp_backward"):
+        assert bf16_bytes[direction] * 2 == fp32_bytes[direction] > 0

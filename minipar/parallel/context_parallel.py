@@ -42,7 +42,7 @@ import numpy as np
 
 from minipar import ops
 from minipar.autograd import Context, Function, Tensor
-from minipar.backend import to_device, xp
+from minipar.backend import is_low_precision, to_device, xp
 from minipar.comm import Communicator
 from minipar.models.gpt import GPT
 
@@ -141,22 +141,27 @@ class RingAttention(Function):
     out = o / l, and the log-sum-exp L = m + log l is saved. Backward: with Δ = Σ dO ⊙ O per query, each
     block gives dV += Pᵀ dO, dS = P ⊙ (dO Vᵀ − Δ), dQ += s·dS K, dK += s·dSᵀ Q (P = e^{S−L}); the K, V, dK,
     dV of a block travel together and after N hops come home complete. Bytes per rank and layer: (N−1)·2·n
-    forward, N·4·n backward, n = B·(H/tp)·t·D elements.
+    forward, N·4·n backward, n = B·(H/tp)·t·D elements. Under mixed precision the blocks travel in 16 bits
+    (dK, dV rounded once per hop) and every block's arithmetic runs in float32.
     """
+    autocast = False  # upcasts each block itself, so that K|V and dK|dV travel in the 16-bit storage dtype
 
     @staticmethod
     def forward(ctx: Context, qkv: Any, comm: Communicator, n_head: int, scale: float | None, split: str,
                 work: dict[str, float]) -> Any:
         B, t, width = qkv.shape
         H, D = n_head, width // (3 * n_head)
+        storage = qkv.dtype
+        compute = xp.float32 if is_low_precision(storage) else storage
         q, k, v = qkv.reshape(B, t, 3, H, D).transpose(2, 0, 3, 1, 4)  # (B, H, t, D) views
+        qf = q.astype(compute)
         scale = 1.0 / math.sqrt(D) if scale is None else scale
         r, N = comm.rank, comm.size
         positions_of = lambda rank: to_device(chunk_positions(rank, N, t, split))  # noqa: E731
         mine = positions_of(r)
-        m = xp.full((B, H, t), -xp.inf, dtype=qkv.dtype)
-        l, o = xp.zeros((B, H, t), qkv.dtype), xp.zeros((B, H, t, D), qkv.dtype)
-        kv = xp.ascontiguousarray(xp.stack([k, v]))
+        m = xp.full((B, H, t), -xp.inf, dtype=compute)
+        l, o = xp.zeros((B, H, t), compute), xp.zeros((B, H, t, D), compute)
+        kv = xp.ascontiguousarray(xp.stack([k, v]))  # what travels: the storage dtype
         for s in range(N):
             if s < N - 1:  # the next block is on its way while this one is computed
                 arriving = xp.empty_like(kv)
@@ -165,50 +170,53 @@ class RingAttention(Function):
             masked = positions_of((r - s) % N)[None, :] > mine[:, None]
             if not masked.all():
                 work["pairs"] += int((~masked).sum()) * B * H
-                scores = xp.where(masked, -xp.inf, (q @ xp.swapaxes(kv[0], -1, -2)) * scale)
+                kf, vf = kv.astype(compute, copy=False)
+                scores = xp.where(masked, -xp.inf, (qf @ xp.swapaxes(kf, -1, -2)) * scale)
                 m_new = xp.maximum(m, scores.max(axis=-1))
                 safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
                 p = xp.exp(scores - safe[..., None])
                 decay = xp.exp(m - safe)
                 l = l * decay + p.sum(axis=-1)
-                o = o * decay[..., None] + p @ kv[1]
+                o = o * decay[..., None] + p @ vf
                 m = m_new
             if s < N - 1:
                 waited = time.perf_counter()
                 send.wait()
                 kv = receive.wait()
                 work["wait_s"] += time.perf_counter() - waited  # the exchange the block's attention did not hide
-        out = o / l[..., None]
+        out = (o / l[..., None]).astype(storage)
         ctx.save_for_backward(q, k, v, out, m + xp.log(l))
-        ctx.comm, ctx.scale, ctx.positions_of = comm, scale, positions_of
+        ctx.comm, ctx.scale, ctx.positions_of, ctx.compute = comm, scale, positions_of, compute
         return out.transpose(0, 2, 1, 3).reshape(B, t, H * D)
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
         q, k, v, out, lse = ctx.saved
-        comm, scale, positions_of = ctx.comm, ctx.scale, ctx.positions_of
+        comm, scale, positions_of, compute = ctx.comm, ctx.scale, ctx.positions_of, ctx.compute
         B, H, t, D = q.shape
         r, N = comm.rank, comm.size
         mine = positions_of(r)
-        do = xp.ascontiguousarray(g.reshape(B, t, H, D).transpose(0, 2, 1, 3))
-        delta = (do * out).sum(axis=-1)
+        do = xp.ascontiguousarray(g.reshape(B, t, H, D).transpose(0, 2, 1, 3)).astype(compute)
+        q = q.astype(compute)
+        delta = (do * out.astype(compute)).sum(axis=-1)
         dq = xp.zeros_like(q)
         travel = xp.ascontiguousarray(xp.stack([k, v, xp.zeros_like(k), xp.zeros_like(v)]))  # K, V, dK, dV
         for s in range(N):
             masked = positions_of((r - s) % N)[None, :] > mine[:, None]
             if not masked.all():
-                kj, vj, dkj, dvj = travel
+                kj, vj, dkj, dvj = travel.astype(compute, copy=False)
                 scores = xp.where(masked, -xp.inf, (q @ xp.swapaxes(kj, -1, -2)) * scale)
                 p = xp.exp(scores - lse[..., None])
                 dvj += xp.swapaxes(p, -1, -2) @ do
                 ds = p * (do @ xp.swapaxes(vj, -1, -2) - delta[..., None])
                 dq += (ds @ kj) * scale
                 dkj += (xp.swapaxes(ds, -1, -2) @ q) * scale
+                travel[2], travel[3] = dkj, dvj  # (no-ops in full precision: views)
             arriving = xp.empty_like(travel)  # every block moves on, N hops in all: home again at the end
             receive = comm.irecv(arriving, (r - 1) % N, _RING_TAG + 1)
             comm.isend(travel, (r + 1) % N, _RING_TAG + 1, label="cp_backward").wait()
             travel = receive.wait()
-        dqkv = xp.stack([dq, travel[2], travel[3]]).transpose(1, 3, 0, 2, 4)  # (B, t, 3, H, D)
+        dqkv = xp.stack([dq.astype(travel.dtype), travel[2], travel[3]]).transpose(1, 3, 0, 2, 4)  # (B, t, 3, H, D)
         return xp.ascontiguousarray(dqkv).reshape(B, t, 3 * H * D), None, None, None, None, None
 
 
