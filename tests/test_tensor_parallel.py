@@ -66,6 +66,8 @@ def test_shard_and_merge_round_trip():
         merged = merge_state_dicts(shards, cfg)
         for name in full:
             np.testing.assert_array_equal(merged[name], full[name], err_msg=f"tp={tp} {name}")
+        # every slice owns its memory: a view would keep the whole matrix alive on every rank
+        assert all(a.base is None for shard in shards for a in shard.values())
 
 
 def _vocab_parallel_ops_match_full():

@@ -299,7 +299,7 @@ def shard_state_dict(full: dict[str, np.ndarray], cfg: Any, tp: int, rank: int) 
             out[name] = value[cols, :]
         else:                                        # layer norms, wpe, row-parallel biases: whole
             out[name] = value
-        out[name] = np.ascontiguousarray(out[name])
+        out[name] = np.array(out[name], order="C")  # a copy: a view would keep the whole matrix alive
     return out
 
 
