@@ -5,8 +5,8 @@
 Layouts: every dp·tp·pp·zero layout the engine accepts with 1F1B (microbatches: 2·pp with a pipeline), plus
 one of each further kind — sequence parallelism, ring and Ulysses context parallelism, the interleaved and
 ZB-H1 schedules — where the world allows (``--all``: every layout with 2·pp microbatches). Each is trained
-for a few steps through the CLI (float32, ``--peak-memory``); printed per layout: predicted and measured
-median step time, the planner's model-state bytes against the counted ones of rank 0 (the step JSON's
+for a few steps through the CLI (float32), and for two more with ``--peak-memory`` (tracemalloc slows
+every allocation, so those are not timed); printed per layout: predicted and measured median step time, the planner's model-state bytes against the counted ones of rank 0 (the step JSON's
 ``model_state_bytes``), and the planner's states + activations against rank 0's traced peak.
 """
 import argparse
@@ -58,15 +58,18 @@ def main() -> None:
         for lay in layouts_for(cfg, world, batch, args.all):
             predicted = planner.predict(cfg, batch, lay, profile)
             command = [mpiexec(), "-n", str(world), sys.executable, "-m", "minipar", "train", *model, *lay.flags(),
-                       "--steps", str(args.steps), "--eval-interval", "0", "--json", "--peak-memory"]
-            out = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **RANK_ENV}, timeout=600)
-            if out.returncode:
-                print(f"{world:>5}  {str(lay):<40}  failed: {out.stderr.strip().splitlines()[-1]}")
+                       "--eval-interval", "0", "--json"]
+            runs = [subprocess.run([*command, *extra], capture_output=True, text=True, env={**os.environ, **RANK_ENV},
+                                   timeout=600)  # timed without tracemalloc, which slows every allocation
+                    for extra in (["--steps", str(args.steps)], ["--steps", "2", "--peak-memory"])]
+            if any(out.returncode for out in runs):
+                print(f"{world:>5}  {str(lay):<40}  failed: "
+                      f"{next(o for o in runs if o.returncode).stderr.strip().splitlines()[-1]}")
                 continue
-            records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-            measured = float(np.median([r["ms"] for r in records[2:]]))
-            counted = sum(records[-1]["model_state_bytes"].values())
-            peak = records[-1]["peak_bytes"]["rank0"]
+            timed, traced = ([json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")] for out in runs)
+            measured = float(np.median([r["ms"] for r in timed[2:]]))
+            counted = sum(traced[-1]["model_state_bytes"].values())
+            peak = traced[-1]["peak_bytes"]["rank0"]
             states, total = predicted.breakdown["model_states"], predicted.memory
             errors.append(abs(predicted.step_time * 1e3 - measured) / measured)
             memory_errors.append(abs(states - counted) / counted)

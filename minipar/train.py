@@ -92,8 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--reduce-dtype", choices=["auto", "float32"], default="auto",
                      help="data-parallel gradient reduction: auto = in the parameters' dtype (16-bit under mixed "
                           "precision), float32 = upcast first (twice the bytes, no 16-bit rounding in the sum)")
-    run.add_argument("--recompute", choices=list(RECOMPUTE), default="none",
-                     help="activation recomputation: selective = attention probabilities, full = whole blocks")
+    run.add_argument("--recompute", choices=list(RECOMPUTE), default=None,
+                     help="activation recomputation: selective = attention probabilities, full = whole blocks "
+                          "(default: none; with --auto, the planner's choice)")
     run.add_argument("--seed", type=int, default=0, help="initialization and data order")
 
     io = p.add_argument_group("data and output")
@@ -150,7 +151,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--staleness", type=int, default=0, help="local SGD: apply each round's average τ rounds later")
     par.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto timeline")
     par.add_argument("--auto", action="store_true",
-                     help="let the planner choose the layout (dp/tp/pp/cp/sp/ep, schedule, zero, shard group, microbatches) for this many ranks")
+                     help="let the planner choose the layout (dp/tp/pp/cp/sp/ep, schedule, zero, shard group, microbatches, "
+                          "and the recomputation unless --recompute is given) for this many ranks")
     par.add_argument("--profile", help="hardware profile for --auto (default: this machine's, calibrated if missing)")
 
 
@@ -169,8 +171,8 @@ def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
                 print(f"auto: calibrated this machine for {world.size} rank(s) -> {path}", flush=True)
     if world.rank == 0:
         cfg = model_config(args)
-        ranked = planner.plan(cfg, world.size, args.batch_size, profile, planner.ITEMSIZE[model_dtype(args)],
-                              (args.recompute,))  # the user's --recompute
+        modes = (args.recompute,) if args.recompute else RECOMPUTE  # the user's --recompute, else any
+        ranked = planner.plan(cfg, world.size, args.batch_size, profile, planner.ITEMSIZE[model_dtype(args)], modes)
         best = ranked[0]
         if not best.feasible:
             raise ValueError(f"no layout of {world.size} ranks fits in {profile.memory / 1e9:.1f} GB per device")
@@ -184,9 +186,10 @@ def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
     args.cp, args.cp_kind, args.sp, args.cp_split = choice["cp"], choice["cp_kind"], choice["sp"], None
     args.ep, args.virtual_stages = choice["ep"], choice["virtual_stages"]
     args.shard_group = choice["shard_group"] or None
+    layout = planner.Layout(**{f.name: choice[f.name] for f in dataclasses.fields(planner.Layout)})
+    args.recompute = layout.recompute_mode
     if world.rank == 0 and not args.json:
-        print(f"auto: {planner.Layout(**{k: choice[k] for k in dataclasses.asdict(best.layout)})}"
-              f" of {choice['candidates']} layouts, predicted {choice['step_ms']:.1f} ms/step, "
+        print(f"auto: {layout} of {choice['candidates']} layouts, predicted {choice['step_ms']:.1f} ms/step, "
               f"{choice['memory_gb']:.3f} GB per rank ({profile.name})", flush=True)
 
 
@@ -645,6 +648,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     world = Communicator()
     if args.auto:
         choose_layout(args, world)
+    args.recompute = args.recompute or "none"
     resumed = load_checkpoint(args.resume) if args.resume else None
     set_device(args.device)
     cfg = validate(args, world.size, resumed)

@@ -104,16 +104,38 @@ def test_plan_command_prints_a_ranking():
     assert times == sorted(times)
 
 
-def test_train_auto_picks_a_layout_and_trains_correctly(tmp_path):
+@pytest.mark.parametrize("memory", ["ample", "tight"])
+def test_train_auto_picks_a_layout_and_trains_correctly(tmp_path, memory):
+    """--auto trains in the planner's layout exactly as one process does; with device memory that only
+    recomputation fits (``tight``), the layout it picks recomputes."""
     flags = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
              "--steps", "6", "--dtype", "float64", "--eval-interval", "0", "--json"]
     single = subprocess.run([sys.executable, "-m", "minipar", "train", *flags], capture_output=True, text=True, timeout=120)
-    planner.BUILTIN_PROFILES["a100-80gb"].save(str(tmp_path / "a100.json"))
-    out = run_command(4, [sys.executable, "-m", "minipar", "train", *flags, "--auto", "--profile", str(tmp_path / "a100.json")],
-                      timeout=120)
+    profile = planner.BUILTIN_PROFILES["a100-80gb"]
+    if memory == "tight":
+        cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=16)
+        ranked = planner.plan(cfg, 4, 8, profile, 8, ("none", "selective", "full"))
+        least = {mode: min(p.memory for p in ranked if p.layout.recompute_mode == mode) for mode in ("none", "full")}
+        profile = dataclasses.replace(profile, memory=(least["none"] + least["full"]) / 2)
+        assert planner.plan(cfg, 4, 8, profile, 8, ("none", "selective", "full"))[0].layout.recompute_mode != "none"
+    profile.save(str(tmp_path / "profile.json"))
+    out = run_command(4, [sys.executable, "-m", "minipar", "train", *flags, "--auto", "--profile",
+                          str(tmp_path / "profile.json")], timeout=120)
     losses = [json.loads(line)["loss"] for line in out.splitlines() if line.startswith("{")]
     expected = [json.loads(line)["loss"] for line in single.stdout.splitlines()]
     np.testing.assert_allclose(losses, expected, rtol=1e-9)
+
+
+def test_recomputation_options_follow_the_engine():
+    """Full recomputation is not enumerated with experts or ZB-H1, selective not with context parallelism."""
+    deep = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=64)
+    moe = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64, n_expert=4)
+    layouts = planner.enumerate_layouts(deep, 8, 16, recompute=True) + planner.enumerate_layouts(moe, 8, 16, recompute=True)
+    modes = {(lay.schedule, lay.cp > 1, lay.recompute_mode) for lay in layouts}
+    assert ("1f1b", False, "full") in modes and ("zb-h1", False, "selective") in modes
+    assert not [lay for lay in layouts if lay.recompute_mode == "full" and lay.schedule == "zb-h1"]
+    assert not [lay for lay in layouts if lay.recompute_mode == "selective" and lay.cp > 1]
+    assert {lay.recompute_mode for lay in planner.enumerate_layouts(moe, 8, 16, recompute=True)} == {"none", "selective"}
 
 
 def test_expert_terms_and_layouts():

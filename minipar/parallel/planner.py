@@ -137,6 +137,11 @@ BUILTIN_PROFILES = {
 }
 
 
+def recompute_mode(value: bool | str) -> str:
+    """--recompute's name for a Layout.recompute value (True: "full", False: "none", or the name itself)."""
+    return {True: "full", False: "none"}.get(value, value)  # type: ignore[call-overload]
+
+
 @dataclass(frozen=True)
 class Layout:
     dp: int
@@ -155,7 +160,7 @@ class Layout:
 
     @property
     def recompute_mode(self) -> str:
-        return {True: "full", False: "none"}.get(self.recompute, self.recompute)  # type: ignore[arg-type]
+        return recompute_mode(self.recompute)
 
     def flags(self) -> list[str]:
         return ["--recompute", self.recompute_mode, "--dp", str(self.dp), "--tp", str(self.tp), "--pp", str(self.pp), "--zero", str(self.zero),
@@ -344,7 +349,8 @@ def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool | t
     (and the heads, for Ulysses), sp with tp ≥ 2, dp·m | batch, ZeRO needs dp·cp ≥ 2 and is 0/1 with pp > 1;
     microbatches 1, 2, 4, … and B/dp (b = 1); with experts, ep | dp and ep | E, and no pp, cp or sp; with
     pp ≥ 2 each of ``schedules`` (interleaved: 2 chunks per rank, m a multiple of pp, n_layer ≥ 2·pp); with
-    ``recompute`` (True, or a tuple of Layout.recompute values) the recomputation modes too.
+    ``recompute`` (True, or a tuple of Layout.recompute values) the recomputation modes too (not full with
+    experts or ZB-H1, not selective with cp: the engine refuses those).
     ``context=False`` leaves out context and sequence parallelism."""
     layouts = []
     moe = bool(getattr(cfg, "n_expert", 0))
@@ -371,8 +377,12 @@ def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool | t
                             else (False,)  # False: none, True: full
                         if cp > 1:  # selective recomputes the standard attention only
                             modes = tuple(r for r in modes if r != "selective")
+                        if moe:  # a recomputed block cannot re-route its tokens (the engine refuses it)
+                            modes = tuple(r for r in modes if recompute_mode(r) != "full")
                         for m, r, ep in itertools.product(counts, modes, experts):
                             for schedule, v in pipeline_options(cfg, pp, m, schedules):
+                                if schedule == "zb-h1" and recompute_mode(r) == "full":
+                                    continue  # the nested recomputed backward cannot defer its weights
                                 for k in shard_groups(dp * cp, zero, ep):
                                     layouts.append(Layout(dp, tp, pp, zero, m, schedule, r, cp, kind, sp, ep, v, k))
     return layouts
