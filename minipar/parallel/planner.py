@@ -272,11 +272,16 @@ def expert_time(cfg: Any, layout: Layout, token_bytes: float, link: Link) -> flo
 
 def local_parameter_groups(cfg: Any, layout: Layout) -> list[tuple[float, int]]:
     """(parameters on the busiest rank, the ranks their gradients reduce over) per replica group: the dense
-    ones over dp·cp (÷tp), the experts (÷ep, whole on every tp rank) over dp·cp/ep."""
+    ones over dp·cp (÷tp, but for what every tp rank holds whole: layer norms, row-parallel biases, positions;
+    the vocabulary padded to a multiple of tp), the experts (÷ep, whole on every tp rank) over dp·cp/ep."""
+    C, tp, layers = cfg.n_embd, layout.tp, math.ceil(cfg.n_layer / layout.pp)
     total = stage_parameters(cfg, layout.pp)
-    experts = math.ceil(cfg.n_layer / layout.pp) * cfg.n_expert * (8 * cfg.n_embd ** 2 + 5 * cfg.n_embd)
+    experts = layers * cfg.n_expert * (8 * C ** 2 + 5 * C)
+    whole = layers * 6 * C + cfg.block_size * C + (2 * C if layout.pp == 1 else 0)
+    table = cfg.vocab_size * C
+    dense = (total - experts - whole - table) / tp + whole + math.ceil(cfg.vocab_size / tp) * C
     replicas = layout.dp * layout.cp
-    groups = [((total - experts) / layout.tp, replicas)]
+    groups = [(dense, replicas)]
     return groups + ([(experts / layout.ep, replicas // layout.ep)] if experts else [])
 
 
