@@ -185,3 +185,15 @@ def test_hybrid_sharding_terms():
     assert hybrid.breakdown["model_states"] == pytest.approx(16 * psi / 2)
     assert planner.Layout(8, 1, 1, 3, 1, shard_group=2) in planner.enumerate_layouts(CFG, 8, 64)
     assert planner.Layout(8, 1, 1, 3, 1, shard_group=2).flags()[-2:] == ["--shard-group", "2"]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 3, 6])
+def test_model_states_count_what_a_tensor_parallel_rank_holds(tp):
+    """16 bytes per parameter a tp rank holds: its slices, the padded vocabulary rows, and what it keeps whole."""
+    from minipar.models.gpt import GPT
+    from minipar.parallel.tensor_parallel import shard_state_dict
+
+    cfg = GPTConfig(vocab_size=11, block_size=4, n_layer=2, n_head=6, n_embd=12)
+    held = sum(a.size for a in shard_state_dict(GPT(cfg).state_dict(), cfg, tp, 0).values())
+    states, _ = planner.memory_per_rank(cfg, 6, planner.Layout(1, tp, 1), itemsize=4)
+    assert states == pytest.approx(16 * held)
