@@ -52,7 +52,9 @@ def test_kept_activations_match_the_accounting(shape, mode):
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert held == pytest.approx(activation_elements(cfg, B, mode) * 8, rel=0.02)
+    # the arrays, within 2%, + up to 16 KiB of the graph's own Python objects (Tensors, Contexts), which
+    # matter where full recomputation leaves few arrays
+    assert held == pytest.approx(activation_elements(cfg, B, mode) * 8, rel=0.02, abs=16 * 1024)
 
 
 @pytest.fixture(scope="module")
