@@ -24,8 +24,10 @@ DTYPES = ("float32", "float64", "float16", "bfloat16")
 LOW_PRECISION = ("float16", "bfloat16")  # 2-byte storage, fp32 arithmetic
 
 
+@functools.lru_cache(maxsize=None)
 def is_low_precision(dtype: Any) -> bool:
-    """float16 or bfloat16: stored in 2 bytes; minipar computes with them in float32 (autograd's autocast)."""
+    """float16 or bfloat16: stored in 2 bytes; minipar computes with them in float32 (autograd's autocast).
+    Cached per dtype: autograd asks for every input of every op, and a dtype's name costs microseconds."""
     return numpy.dtype(dtype).name in LOW_PRECISION
 
 
