@@ -154,7 +154,7 @@ class RingAttention(Function):
         storage = qkv.dtype
         compute = xp.float32 if is_low_precision(storage) else storage
         q, k, v = qkv.reshape(B, t, 3, H, D).transpose(2, 0, 3, 1, 4)  # (B, H, t, D) views
-        qf = q.astype(compute)
+        qf = q.astype(compute, copy=False)
         scale = 1.0 / math.sqrt(D) if scale is None else scale
         r, N = comm.rank, comm.size
         positions_of = lambda rank: to_device(chunk_positions(rank, N, t, split))  # noqa: E731
@@ -184,7 +184,7 @@ class RingAttention(Function):
                 send.wait()
                 kv = receive.wait()
                 work["wait_s"] += time.perf_counter() - waited  # the exchange the block's attention did not hide
-        out = (o / l[..., None]).astype(storage)
+        out = (o / l[..., None]).astype(storage, copy=False)
         ctx.save_for_backward(q, k, v, out, m + xp.log(l))
         ctx.comm, ctx.scale, ctx.positions_of, ctx.compute = comm, scale, positions_of, compute
         return out.transpose(0, 2, 1, 3).reshape(B, t, H * D)
@@ -196,9 +196,9 @@ class RingAttention(Function):
         B, H, t, D = q.shape
         r, N = comm.rank, comm.size
         mine = positions_of(r)
-        do = xp.ascontiguousarray(g.reshape(B, t, H, D).transpose(0, 2, 1, 3)).astype(compute)
-        q = q.astype(compute)
-        delta = (do * out.astype(compute)).sum(axis=-1)
+        do = xp.ascontiguousarray(g.reshape(B, t, H, D).transpose(0, 2, 1, 3)).astype(compute, copy=False)
+        q = q.astype(compute, copy=False)
+        delta = (do * out.astype(compute, copy=False)).sum(axis=-1)
         dq = xp.zeros_like(q)
         travel = xp.ascontiguousarray(xp.stack([k, v, xp.zeros_like(k), xp.zeros_like(v)]))  # K, V, dK, dV
         for s in range(N):
@@ -216,7 +216,7 @@ class RingAttention(Function):
             receive = comm.irecv(arriving, (r - 1) % N, _RING_TAG + 1)
             comm.isend(travel, (r + 1) % N, _RING_TAG + 1, label="cp_backward").wait()
             travel = receive.wait()
-        dqkv = xp.stack([dq.astype(travel.dtype), travel[2], travel[3]]).transpose(1, 3, 0, 2, 4)  # (B, t, 3, H, D)
+        dqkv = xp.stack([dq.astype(travel.dtype, copy=False), travel[2], travel[3]]).transpose(1, 3, 0, 2, 4)  # (B, t, 3, H, D)
         return xp.ascontiguousarray(dqkv).reshape(B, t, 3 * H * D), None, None, None, None, None
 
 
