@@ -328,7 +328,8 @@ class ZeRO(ReplicatedModel, Optimizer):
 
     # ------------------------------------------------------------------------------- reporting
     def formula_bytes(self) -> float:
-        """Bytes one rank should send per step: (p−1)/p·Ψ per reduce-scatter and all-gather (ZeRO paper, §7: 2 or 3 of them; gradients in their reduce dtype), per replica group;
+        """Bytes one rank should send per step: (p−1)/p·Ψ per reduce-scatter and all-gather (ZeRO paper, §7:
+        2 or 3 of them; gradients in their reduce dtype), per replica group;
         with hybrid sharding also 2(R−1)/R times its shard for the all-reduce across the R groups."""
         total = 0.0
         for s in self.shards:
