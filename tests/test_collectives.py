@@ -289,6 +289,28 @@ def _bad_arguments():
         comm.broadcast(np.ones(2), root=9)
     with pytest.raises(ValueError, match="sizes"):
         comm.all_gather(np.ones(2), sizes=[1] * comm.size)
+    x = np.ones(2 * comm.size)
+    with pytest.raises(ValueError, match="must not overlap"):
+        comm.reduce_scatter(x, out=x[:2])
+
+
+def _p2p_beside_an_async_collective():
+    """Bytes sent point-to-point on the main thread while the communication thread runs a collective are
+    filed under "p2p", not into the collective: each keeps its exact count."""
+    comm = Communicator(MPI.COMM_WORLD.Dup())
+    r, p = comm.rank, comm.size
+    comm.reset_stats()
+    x = np.ones(1 << 18)  # 2 MiB: the ring, many steps
+    handle = comm.all_reduce(x, algorithm="ring", async_op=True)
+    message = np.full(1000, float(r))
+    for _ in range(20):
+        sending = comm.isend(message.copy(), (r + 1) % p, tag=5)
+        comm.recv(message, (r - 1) % p, tag=5)
+        sending.wait()
+    handle.wait()
+    assert (x == p).all() and message[0] == (r - 20) % p
+    assert comm.stats["p2p"].bytes == 20 * message.nbytes
+    assert comm.stats["all_reduce"].bytes == all_reduce_bytes_sent(x.size, 8, p, r, "ring")
 
 
 @pytest.mark.parametrize("p", [3, 4])
@@ -297,7 +319,7 @@ def test_async_split_p2p(p):
 
 
 def _async_split_p2p_and_bad_arguments():
-    for check in (_async_progresses_without_wait, _split_and_p2p, _bad_arguments):
+    for check in (_async_progresses_without_wait, _split_and_p2p, _bad_arguments, _p2p_beside_an_async_collective):
         check()
 
 
@@ -495,6 +517,10 @@ def test_cost_model_choices():
     assert model.best("all_reduce", 64 << 20, 8) in ("ring", "rabenseifner")
     assert model.best("all_gather", 1024, 7) == "bruck" and model.best("all_gather", 64 << 20, 2) == "ring"
     assert model.best("reduce_scatter", 1024, 8) == "recursive_halving"
+    # no copies: for a power of two, halving and doubling send the ring's bytes in log₂p messages
+    assert model.best("reduce_scatter", 64 << 20, 4) == "recursive_halving"
+    assert model.best("all_gather", 64 << 20, 8) == "recursive_doubling"
+    assert model.best("all_gather", 64 << 20, 6) == "ring"  # the fold's extra n bytes cost more than its messages save
     assert model.best("broadcast", 64 << 20, 8) == "segmented" and model.best("broadcast", 64, 8) == "binomial"
     assert model.time("all_reduce", "hierarchical", 1 << 20, 8, nodes=1) == float("inf")
     far = CostModel(alpha=5e-6, beta=1e-10, gamma=2e-10, alpha_inter=30e-6, beta_inter=1e-9)

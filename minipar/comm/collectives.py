@@ -13,8 +13,9 @@ copied; n: bytes; p' the largest power of two ≤ p, fold = 1 when p is not one)
                    Rabenseifner       (2log₂p' + 2fold)α + (2(p'−1)/p' + 2fold)·nβ + ((p'−1)/p' + fold)·nγ
                    hierarchical       ring RS + AG inside a node of q ranks, all-reduce of n/q across nodes
     reduce-scatter ring               (p−1)α + (p−1)/p·n(β + γ)
-                   recursive halving  (log₂p' + 2fold)α + ((p'−1)/p' + fold)·n(β + γ) + nγ (its scratch copy)
+                   recursive halving  (log₂p' + 2fold)α + ((p'−1)/p' + fold)·n(β + γ)
     all-gather     ring               (p−1)α + (p−1)/p·nβ
+                   recursive doubling (log₂p' + 2fold)α + ((p'−1)/p' + fold)·nβ
                    Bruck              ⌈log₂p⌉α + (p−1)/p·nβ + nγ (the final rotation)
     broadcast      binomial           ⌈log₂p⌉(α + nβ)
                    segmented          (⌈log₂p⌉ + k − 1)(α + (n/k)β) with k segments
@@ -107,8 +108,7 @@ def reduce_scatter_bytes_sent(bounds: list[int], itemsize: int, rank: int, algor
     v = _virtual(rank, extra)
     if v < 0:
         return n * itemsize
-    regions = [bounds[_real(u, extra) - (1 if u < extra else 0)] for u in range(pof2)] + [n]
-    return (_halving_bytes(regions, v) + (size(rank - 1) if rank < 2 * extra else 0)) * itemsize
+    return (_halving_bytes(_fold_regions(bounds, pof2, extra), v) + (size(rank - 1) if rank < 2 * extra else 0)) * itemsize
 
 
 def all_gather_bytes_sent(bounds: list[int], itemsize: int, rank: int, algorithm: str) -> int:
@@ -119,6 +119,12 @@ def all_gather_bytes_sent(bounds: list[int], itemsize: int, rank: int, algorithm
     if algorithm == "ring":  # every chunk but its right neighbour's
         right = (rank + 1) % p
         return (n - (bounds[right + 1] - bounds[right])) * itemsize
+    if algorithm == "recursive_doubling":  # a folded even rank sends its chunk, its odd partner also the whole result
+        pof2, extra = _fold(p)
+        v = _virtual(rank, extra)
+        if v < 0:
+            return (bounds[rank + 1] - bounds[rank]) * itemsize
+        return (_doubling_bytes(_fold_regions(bounds, pof2, extra), v) + (n if rank < 2 * extra else 0)) * itemsize
     sizes = [bounds[(rank + j) % p + 1] - bounds[(rank + j) % p] for j in range(p)]  # Bruck: prefixes of its order
     sent, distance = 0, 1
     while distance < p:
@@ -149,37 +155,44 @@ def _finish_avg(chunk: np.ndarray, op: str, p: int) -> None:
 def ring_reduce_scatter(comm: Any, src: np.ndarray, op: str, tag: int, bounds: list[int] | None = None,
                         codec: WireCodec | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """Rank r gets the reduction of every rank's chunk r of ``src``, in ``out`` (default: chunk r of ``src``
-    itself, so an all-reduce can follow in place); returns ``out``. ``src`` is otherwise left as it was.
+    itself, so an all-reduce can follow in place); returns ``out``. ``src`` is otherwise left as it was;
+    a given ``out`` must not overlap it.
 
     Step s = 0 … p−2: send the partial sum of chunk (r−s−1) right — at s = 0 this rank's own chunk,
     straight from ``src`` — receive the partial of chunk (r−s−2) from the left and add this rank's
     chunk to it. A chunk travels once around the ring, gaining one rank's contribution per hop, and
-    arrives complete at its owner after p−1 hops. Scratch: two chunks (the running partial and the
-    incoming one), never a copy of the input. With a ``codec`` chunks travel encoded (16 bits) and
-    are added in ``src``'s precision. T = (p−1)α + (p−1)/p·nβ + (p−1)/p·nγ.
+    arrives complete at its owner after p−1 hops — into a given ``out`` directly. Scratch: two chunks
+    (the running partial and the incoming one; none at p = 2 with ``out``), never a copy of the input.
+    With a ``codec`` chunks travel encoded (16 bits) and are added in ``src``'s precision.
+    T = (p−1)α + (p−1)/p·nβ + (p−1)/p·nγ.
     """
     p, r = comm.size, comm.rank
     bounds = bounds or chunk_bounds(src.size, p)
     reduce = REDUCE_OPS[op]
-    chunk = lambda i: src[bounds[i]:bounds[i + 1]]  # noqa: E731
-    size = lambda i: bounds[i + 1] - bounds[i]  # noqa: E731
-    out = chunk(r) if out is None else out
+    into_out = out is not None and codec is None  # the last chunk may arrive in out itself
+    if out is None:
+        out = src[bounds[r]:bounds[r + 1]]
     if p == 1:
         if not np.shares_memory(out, src):
-            out[...] = chunk(0)
+            out[...] = src
         _finish_avg(out, op, p)
         return out
-    width = max(size(i) for i in range(p))
-    partial = np.empty(width, src.dtype)
-    incoming = np.empty(width, codec.wire_dtype if codec else src.dtype)
+    width = max(b1 - b0 for b0, b1 in zip(bounds, bounds[1:]))
+    partial = np.empty(width, src.dtype) if p > 2 else None
+    incoming = np.empty(width, codec.wire_dtype if codec else src.dtype) if p > 2 or not into_out else None
     right, left = (r + 1) % p, (r - 1) % p
     for s in range(p - 1):
         send_i, recv_i = (r - s - 1) % p, (r - s - 2) % p
-        send = chunk(send_i) if s == 0 else partial[:size(send_i)]
-        received = incoming[:size(recv_i)]
-        comm.sendrecv(codec.encode(send) if codec else send, right, received, left, tag)
-        target = out if s == p - 2 else partial[:size(recv_i)]  # the last chunk to arrive is this rank's
-        reduce(chunk(recv_i), codec.decode(received, src.dtype) if codec else received, out=target)
+        lo, hi = bounds[recv_i], bounds[recv_i + 1]
+        send = src[bounds[send_i]:bounds[send_i + 1]] if s == 0 else partial[:bounds[send_i + 1] - bounds[send_i]]
+        last = s == p - 2  # the last chunk to arrive is this rank's
+        received = out if last and into_out else incoming[:hi - lo]
+        if codec is None:
+            comm.sendrecv(send, right, received, left, tag)
+        else:
+            comm.sendrecv(codec.encode(send), right, received, left, tag)
+            received = codec.decode(received, src.dtype)
+        reduce(src[lo:hi], received, out=out if last else partial[:hi - lo])
     _finish_avg(out, op, p)
     return out
 
@@ -212,8 +225,9 @@ def ring_all_gather(comm: Any, buf: np.ndarray, tag: int, bounds: list[int] | No
 def ring_all_reduce(comm: Any, buf: np.ndarray, op: str, tag: int, codec: WireCodec | None = None) -> None:
     """All-reduce = reduce-scatter + all-gather, in place: 2(p−1) steps, each rank sends 2(p−1)/p·n bytes
     (of the wire format's size per element when a ``codec`` is given)."""
-    ring_reduce_scatter(comm, buf, op, tag, codec=codec)
-    ring_all_gather(comm, buf, tag, codec=codec)
+    bounds = chunk_bounds(buf.size, comm.size)
+    ring_reduce_scatter(comm, buf, op, tag, bounds, codec)
+    ring_all_gather(comm, buf, tag, bounds, codec)
 
 
 def recursive_doubling_all_reduce(comm: Any, buf: np.ndarray, op: str, tag: int) -> None:
@@ -273,25 +287,48 @@ def _real(v: int, extra: int) -> int:
     return 2 * v + 1 if v < extra else v + extra
 
 
-def _halving(comm: Any, buf: np.ndarray, op: str, tag: int, regions: list[int], v: int, extra: int) -> None:
-    """Recursive halving over the p' participating ranks: afterwards virtual rank v holds, in
-    ``buf[regions[v]:regions[v+1]]``, the reduction of that region over all of them. Round k (mask
-    p'/2, p'/4, … 1): keep the half of the current range that contains v, send the other half to
-    v XOR mask and add what it sends back. log₂p' rounds, (p'−1)/p' of the data sent."""
+def _fold_regions(bounds: list[int], pof2: int, extra: int) -> list[int]:
+    """Offsets of the p' regions that the participating ranks own after a fold: a folded odd rank speaks
+    for its even partner's chunk and its own, every other rank for its own chunk."""
+    if extra == 0:
+        return bounds
+    return [bounds[_real(u, extra) - (1 if u < extra else 0)] for u in range(pof2)] + [bounds[-1]]
+
+
+def _halving(comm: Any, buf: np.ndarray, op: str, tag: int, regions: list[int], v: int, extra: int,
+             out: np.ndarray | None = None) -> None:
+    """Recursive halving over the p' participating ranks: afterwards virtual rank v holds the reduction
+    over all of them of region v (``buf[regions[v]:regions[v+1]]``). Round k (mask p'/2, p'/4, … 1):
+    keep the half of the current range that contains v, send the other half to v XOR mask and add
+    what it sends back. log₂p' rounds, (p'−1)/p' of the data sent.
+
+    Without ``out`` the reduction happens in ``buf`` (scratch: half of it, once). With ``out`` (region
+    v's size) ``buf`` is only read: each round receives the kept half into a new array and adds this
+    rank's partial to it there, and the last round receives straight into ``out`` — no copy of the
+    input, the halves allocated shrink n/2, n/4, …"""
     pof2 = len(regions) - 1
     reduce = REDUCE_OPS[op]
     lo, hi, mask = 0, pof2, pof2 >> 1
+    partial, base = buf, 0  # the running partial of regions [lo, hi) is partial[regions[lo] − base : regions[hi] − base]
     scratch = None
     while mask:
         mid = lo + mask
         keep, give = ((lo, mid), (mid, hi)) if v < mid else ((mid, hi), (lo, mid))
-        mine = buf[regions[keep[0]]:regions[keep[1]]]
-        if scratch is None:
-            scratch = np.empty(mine.size, buf.dtype)  # the first round receives the most
-        incoming = scratch[:mine.size]
+        k0, k1 = regions[keep[0]], regions[keep[1]]
+        mine = partial[k0 - base:k1 - base]
+        if out is None:
+            if scratch is None:
+                scratch = np.empty(k1 - k0, buf.dtype)  # the first round receives the most
+            received = scratch[:k1 - k0]
+        else:
+            received = out if mask == 1 else np.empty(k1 - k0, buf.dtype)
         partner = _real(v ^ mask, extra)
-        comm.sendrecv(buf[regions[give[0]]:regions[give[1]]], partner, incoming, partner, tag)
-        reduce(mine, incoming, out=mine)
+        comm.sendrecv(partial[regions[give[0]] - base:regions[give[1]] - base], partner, received, partner, tag)
+        if out is None:
+            reduce(mine, received, out=mine)
+        else:
+            reduce(mine, received, out=received)
+            partial, base = received, k0
         (lo, hi), mask = keep, mask >> 1
 
 
@@ -308,32 +345,37 @@ def _doubling_gather(comm: Any, buf: np.ndarray, tag: int, regions: list[int], v
         lo, mask = min(lo, theirs), mask << 1
 
 
-def recursive_halving_reduce_scatter(comm: Any, buf: np.ndarray, op: str, tag: int,
-                                     bounds: list[int] | None = None) -> None:
-    """Afterwards chunk r of ``buf`` on rank r holds the reduction of every rank's chunk r (the rest of
-    ``buf`` is scratch). Non-powers of two fold first: in each of the e pairs the even rank sends its
-    whole buffer to the odd one (n), which then speaks for both chunks and returns the even rank's
-    chunk at the end. T = (log₂p' + 2[e>0])α + ((p'−1)/p'·n + [even: n])β + ((p'−1)/p' + [odd: 1])·nγ:
+def recursive_halving_reduce_scatter(comm: Any, src: np.ndarray, op: str, tag: int, bounds: list[int],
+                                     out: np.ndarray) -> np.ndarray:
+    """Rank r gets in ``out`` the reduction of every rank's chunk r of ``src`` (left unchanged); returns ``out``.
+    Non-powers of two fold first: in each of the e pairs the even rank sends its whole input to the
+    odd one (n), which then speaks for both chunks (reducing in that received copy) and returns the
+    even rank's chunk at the end. T = (log₂p' + 2[e>0])α + ((p'−1)/p'·n + [even: n])β + ((p'−1)/p' + [odd: 1])·nγ:
     fewer messages than the ring (log₂p vs p−1), the same bytes when p is a power of two."""
     p, r = comm.size, comm.rank
-    bounds = bounds or chunk_bounds(buf.size, p)
+    if p == 1:
+        out[...] = src
+        _finish_avg(out, op, p)
+        return out
     pof2, extra = _fold(p)
     v = _virtual(r, extra)
     if v < 0:
-        comm.send(buf, r + 1, tag)
-        comm.recv(buf[bounds[r]:bounds[r + 1]], r + 1, tag)
-        return
-    if r < 2 * extra:
-        incoming = np.empty_like(buf)
-        comm.recv(incoming, r - 1, tag)
-        REDUCE_OPS[op](buf, incoming, out=buf)
-    regions = [bounds[_real(u, extra) - (1 if u < extra else 0)] for u in range(pof2)] + [buf.size]
-    _halving(comm, buf, op, tag, regions, v, extra)
-    if r < 2 * extra:
-        _finish_avg(buf[bounds[r - 1]:bounds[r + 1]], op, p)
-        comm.send(buf[bounds[r - 1]:bounds[r]], r - 1, tag)
-    else:
-        _finish_avg(buf[bounds[r]:bounds[r + 1]], op, p)
+        comm.send(src, r + 1, tag)
+        comm.recv(out, r + 1, tag)
+        return out
+    regions = _fold_regions(bounds, pof2, extra)
+    if r >= 2 * extra:
+        _halving(comm, src, op, tag, regions, v, extra, out=out)
+        _finish_avg(out, op, p)
+        return out
+    work = np.empty_like(src)  # the even partner's input arrives here and is reduced in place
+    comm.recv(work, r - 1, tag)
+    REDUCE_OPS[op](src, work, out=work)
+    _halving(comm, work, op, tag, regions, v, extra)
+    _finish_avg(work[bounds[r - 1]:bounds[r + 1]], op, p)
+    comm.send(work[bounds[r - 1]:bounds[r]], r - 1, tag)
+    out[...] = work[bounds[r]:bounds[r + 1]]
+    return out
 
 
 def rabenseifner_all_reduce(comm: Any, buf: np.ndarray, op: str, tag: int) -> None:
@@ -356,6 +398,30 @@ def rabenseifner_all_reduce(comm: Any, buf: np.ndarray, op: str, tag: int) -> No
     _halving(comm, buf, op, tag, regions, v, extra)
     _finish_avg(buf[regions[v]:regions[v + 1]], op, p)
     _doubling_gather(comm, buf, tag, regions, v, extra)
+    if r < 2 * extra:
+        comm.send(buf, r - 1, tag)
+
+
+def recursive_doubling_all_gather(comm: Any, buf: np.ndarray, tag: int, bounds: list[int]) -> None:
+    """Rank r holds chunk r of ``buf``; afterwards every rank holds all p chunks, in place.
+
+    Round k swaps everything a rank has gathered so far (2ᵏ chunks) with rank r XOR 2ᵏ, straight into
+    place: log₂p rounds and, for a power of two, the ring's bytes with no copy. Otherwise the fold of
+    :func:`recursive_halving_reduce_scatter` in reverse: the even rank of each of the e pairs first
+    sends its chunk to the odd one, which gathers for both and finally sends it the whole result.
+    T = (log₂p' + 2[e>0])α + ((p'−1)/p'·n + [odd: n])β."""
+    p, r = comm.size, comm.rank
+    if p == 1:
+        return
+    pof2, extra = _fold(p)
+    v = _virtual(r, extra)
+    if v < 0:
+        comm.send(buf[bounds[r]:bounds[r + 1]], r + 1, tag)
+        comm.recv(buf, r + 1, tag)
+        return
+    if r < 2 * extra:
+        comm.recv(buf[bounds[r - 1]:bounds[r]], r - 1, tag)
+    _doubling_gather(comm, buf, tag, _fold_regions(bounds, pof2, extra), v, extra)
     if r < 2 * extra:
         comm.send(buf, r - 1, tag)
 

@@ -30,6 +30,7 @@ dtype, shape, call site) to rank 0, which compares them and answers; a mismatch 
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import queue
@@ -54,6 +55,8 @@ _COMM_DIR = os.path.dirname(os.path.abspath(__file__))
 
 ALL_REDUCE = {"ring": algo.ring_all_reduce, "recursive_doubling": algo.recursive_doubling_all_reduce,
               "rabenseifner": algo.rabenseifner_all_reduce}
+ALL_GATHER = {"ring": algo.ring_all_gather, "recursive_doubling": algo.recursive_doubling_all_gather,
+              "bruck": algo.bruck_all_gather}
 _SHARED_NODE = 0  # this process's node, from MPI_Comm_split_type(SHARED) when the world communicator is made
 
 
@@ -78,6 +81,19 @@ class OpStats:
     bytes: int = 0  # bytes this rank sent
     seconds: float = 0.0
     algorithm: str | None = None  # the algorithm of the latest call (collectives that have several)
+
+
+class _Running:
+    """The collective a communicator is executing: the thread running it (None: none), the bytes it has
+    sent so far and its algorithm. Collectives on one communicator execute one at a time, so one record
+    suffices; a point-to-point call from another thread meanwhile is not counted into it."""
+
+    __slots__ = ("thread", "sent", "algorithm")
+
+    def __init__(self) -> None:
+        self.thread: int | None = None
+        self.sent = 0
+        self.algorithm: str | None = None
 
 
 class Handle:
@@ -146,7 +162,7 @@ class Communicator:
         self._levels: Any = None                  # (node, cross) communicators, False: not hierarchical
         self._choices: dict[tuple[str, int], str] = {}
         self._worker: _Worker | None = None
-        self._local = threading.local()  # which operation the running thread is inside
+        self._running = _Running()  # the collective executing now (one at a time per communicator)
         self._stats_lock = threading.Lock()
         if mpi_comm is None and self.size > 1:
             global _SHARED_NODE
@@ -189,9 +205,9 @@ class Communicator:
     def _sent(self, nbytes: int, label: str | None = None) -> None:
         """Count ``nbytes`` sent: inside a collective (and without a label of its own) into the collective's
         running total, recorded once when it ends; otherwise at once, under ``label`` or "p2p"."""
-        local = self._local
-        if label is None and getattr(local, "op", None) is not None:
-            local.sent += nbytes
+        running = self._running
+        if label is None and running.thread == threading.get_ident():
+            running.sent += nbytes
         else:
             self._record(label or "p2p", nbytes)
 
@@ -267,24 +283,26 @@ class Communicator:
                        algorithm: str | None = None, out: Any = None) -> Any:
         """Reduce ``x`` (flattened, n elements) over all ranks; rank r returns chunk r (a 1-D array, or ``out``).
 
-        Chunks follow ``numpy.array_split(n, p)``. ``x`` itself is left unchanged. "ring": p−1 steps,
-        (p−1)/p·n bytes sent per rank, two chunks of scratch; "recursive_halving": log₂p steps, the
-        same bytes for a power of two, one copy of ``x`` as scratch; None: by the cost model.
+        Chunks follow ``numpy.array_split(n, p)``. ``x`` itself is left unchanged; ``out`` must not overlap it.
+        "ring": p−1 steps, (p−1)/p·n bytes sent per rank, two chunks of scratch; "recursive_halving":
+        log₂p steps, the same bytes for a power of two, scratch halving n/2, n/4, …; None: by the cost model.
+        Neither copies ``x``; the last chunk to arrive lands in ``out`` directly.
         """
         self._check_op(op, x)
         self._check_algorithm("reduce_scatter", algorithm)
         b = algo.chunk_bounds(x.size, self.size)
-        if out is not None and (out.shape != (b[self.rank + 1] - b[self.rank],) or out.dtype != x.dtype):
-            raise ValueError(f"reduce_scatter: out must be a ({b[self.rank + 1] - b[self.rank]},) {x.dtype} array")
+        mine = b[self.rank + 1] - b[self.rank]
+        if out is not None:
+            if out.shape != (mine,) or out.dtype != x.dtype:
+                raise ValueError(f"reduce_scatter: out must be a ({mine},) {x.dtype} array")
+            if not on_gpu(out) and np.may_share_memory(out, x):
+                raise ValueError("reduce_scatter: out must not overlap x")
 
         def run(buf: np.ndarray, tag: int) -> np.ndarray:
-            target = out if out is not None and not on_gpu(out) else np.empty(b[self.rank + 1] - b[self.rank], buf.dtype)
+            target = out if out is not None and not on_gpu(out) else np.empty(mine, buf.dtype)
             if self._algorithm("reduce_scatter", buf.nbytes, algorithm) == "ring":
                 return algo.ring_reduce_scatter(self, buf, op, tag, b, out=target)
-            work = buf.copy()  # recursive halving uses the whole buffer as scratch
-            algo.recursive_halving_reduce_scatter(self, work, op, tag, b)
-            target[...] = work[b[self.rank]:b[self.rank + 1]]
-            return target
+            return algo.recursive_halving_reduce_scatter(self, buf, op, tag, b, target)
 
         result = self._collective("reduce_scatter", x, async_op, run, label, op=op, in_place=False)
         return result if out is None or not on_gpu(out) or async_op else _copy_into(out, result)
@@ -295,27 +313,25 @@ class Communicator:
         (or fills ``out``, which saves allocating the result).
 
         In place: when ``x`` already is this rank's slice of ``out`` (``out[offset:offset + x.size]``), nothing
-        is copied. ``sizes[r]`` is rank r's element count (default: all equal to ``x.size``). "ring": p−1 steps,
-        each rank sends (p−1)/p·n bytes of the n-element result; "bruck": ⌈log₂p⌉ steps, the same
-        bytes, one local rotation; None: by the cost model.
+        is copied. ``sizes[r]`` is rank r's element count (default: all equal to ``x.size``). Each algorithm
+        sends (p−1)/p·n bytes per rank of the n-element result (p a power of two), receiving straight into
+        place: "ring" in p−1 steps, "recursive_doubling" in log₂p (more bytes for folded ranks when p is
+        not a power of two), "bruck" in ⌈log₂p⌉ plus one local rotation; None: by the cost model.
         """
         sizes = [x.size] * self.size if sizes is None else list(sizes)
         if len(sizes) != self.size or sizes[self.rank] != x.size:
             raise ValueError(f"all_gather: sizes {sizes} must list {self.size} counts with sizes[{self.rank}] = {x.size}")
         self._check_algorithm("all_gather", algorithm)
-        bounds = [0, *np.cumsum(sizes).tolist()]
+        bounds = list(itertools.accumulate(sizes, initial=0))
         if out is not None and (out.shape != (bounds[-1],) or out.dtype != x.dtype):
             raise ValueError(f"all_gather: out must be a ({bounds[-1]},) {x.dtype} array")
 
         def run(local: np.ndarray, tag: int) -> np.ndarray:
             result = out if out is not None and not on_gpu(out) else np.empty(bounds[-1], dtype=local.dtype)
             mine = result[bounds[self.rank]:bounds[self.rank + 1]]
-            if mine.size and mine.ctypes.data != local.ctypes.data:  # in place: already there
+            if mine.size and MPI.buffer(mine).address != MPI.buffer(local).address:  # in place: already there
                 mine[...] = local
-            if self._algorithm("all_gather", result.nbytes, algorithm) == "ring":
-                algo.ring_all_gather(self, result, tag, bounds)
-            else:
-                algo.bruck_all_gather(self, result, tag, bounds)
+            ALL_GATHER[self._algorithm("all_gather", result.nbytes, algorithm)](self, result, tag, bounds)
             return result
 
         result = self._collective("all_gather", x, async_op, run, label, in_place=False, same_shape=False, sizes=sizes)
@@ -361,7 +377,7 @@ class Communicator:
 
         def run(buf: np.ndarray, tag: int) -> np.ndarray:
             out = np.empty(recv_bounds[-1], buf.dtype)
-            self._local.algorithm = "pairwise"
+            self._running.algorithm = "pairwise"
             algo.pairwise_all_to_all(self, buf, out, send_bounds, recv_bounds, tag)
             return out
 
@@ -427,7 +443,7 @@ class Communicator:
         if chosen == "hierarchical" and self._hierarchy() is None:
             raise ValueError(f"hierarchical all-reduce needs several nodes with the same number of ranks each; "
                              f"this {self.size}-rank communicator's ranks sit on nodes {self._node_ids()}")
-        self._local.algorithm = chosen  # recorded with the call's time
+        self._running.algorithm = chosen  # recorded with the call's time
         return chosen
 
     def _node_ids(self) -> list[int]:
@@ -463,7 +479,7 @@ class Communicator:
 
     def _view(self, mpi_comm: MPI.Comm, name: str) -> Communicator:
         sub = Communicator(mpi_comm, name)
-        sub.stats, sub._stats_lock, sub._local, sub._cost = self.stats, self._stats_lock, self._local, self._cost
+        sub.stats, sub._stats_lock, sub._running, sub._cost = self.stats, self._stats_lock, self._running, self._cost
         return sub
 
     def cross_algorithm(self, nbytes: int) -> str:
@@ -495,37 +511,40 @@ class Communicator:
         it runs — so a collective issued on the main thread while a submitted function is still
         waiting to issue its own gets the later number on every rank, however the threads are timed.
         """
-        site = _call_site() if self.debug else None
-        key = label or name
-
-        def execute() -> Any:
-            sequence = self._sequence
-            self._sequence += 1
-            tag = COLLECTIVE_TAG_BASE + sequence % (1 << 14)
-            self._local.op, self._local.algorithm, self._local.sent = key, None, 0
-            start = time.perf_counter()
-            try:
-                if self.debug:
-                    self._verify_signature({"seq": sequence, "op": name, "dtype": str(x.dtype),
-                                            "shape": list(x.shape) if same_shape else None, "details": dict(details),
-                                            "site": site})
-                host = type(x) is np.ndarray and x.flags.c_contiguous  # the common case, checked cheaply
-                buf = x.reshape(-1) if host else np.ascontiguousarray(to_host(x)).reshape(-1)  # a view when it can be
-                result = run(buf, tag)
-                if not in_place:
-                    return result if host else _like(x, result)
-                if not host:
-                    x[...] = _like(x, buf.reshape(x.shape))
-                return x
-            finally:
-                self._record(key, self._local.sent, time.perf_counter() - start, True, self._local.algorithm)
-                self._local.op = None
-
+        call = (name, label or name, x, run, in_place, same_shape, details, _call_site() if self.debug else None)
         if async_op:
-            return self._worker_thread().submit(execute)
-        if self._worker is None or self._worker.pending == 0 or threading.current_thread() is self._worker.thread:
-            return execute()  # nothing queued, or already on the worker (inside submit()): run in order, here
-        return self._worker.submit(execute).wait()
+            return self._worker_thread().submit(lambda: self._execute(*call))
+        worker = self._worker
+        if worker is None or worker.pending == 0 or threading.current_thread() is worker.thread:
+            return self._execute(*call)  # nothing queued, or already on the worker (inside submit()): run in order, here
+        return worker.submit(lambda: self._execute(*call)).wait()
+
+    def _execute(self, name: str, key: str, x: Any, run: Callable[[np.ndarray, int], Any], in_place: bool,
+                 same_shape: bool, details: dict, site: str | None) -> Any:
+        """Run one collective now, on this thread: take its sequence number, stage ``x``, account its bytes and time."""
+        sequence = self._sequence
+        self._sequence = sequence + 1
+        tag = COLLECTIVE_TAG_BASE + sequence % (1 << 14)
+        running = self._running
+        running.thread, running.sent, running.algorithm = threading.get_ident(), 0, None
+        start = time.perf_counter()
+        try:
+            if site is not None:
+                self._verify_signature({"seq": sequence, "op": name, "dtype": str(x.dtype),
+                                        "shape": list(x.shape) if same_shape else None, "details": dict(details),
+                                        "site": site})
+            if type(x) is np.ndarray and x.flags.c_contiguous:  # the common case: a view, nothing staged
+                result = run(x if x.ndim == 1 else x.reshape(-1), tag)
+                return x if in_place else result
+            buf = np.ascontiguousarray(to_host(x)).reshape(-1)
+            result = run(buf, tag)
+            if not in_place:
+                return _like(x, result)
+            x[...] = _like(x, buf.reshape(x.shape))
+            return x
+        finally:
+            running.thread = None
+            self._record(key, running.sent, time.perf_counter() - start, True, running.algorithm)
 
     def submit(self, fn: Callable[[], Any]) -> Handle:
         """Run ``fn()`` on the communication thread, after the work already queued; collectives it

@@ -33,7 +33,7 @@ from minipar.safetensors_io import atomic_write
 ALGORITHMS = {
     "all_reduce": ("ring", "recursive_doubling", "rabenseifner", "hierarchical"),
     "reduce_scatter": ("ring", "recursive_halving"),
-    "all_gather": ("ring", "bruck"),
+    "all_gather": ("ring", "recursive_doubling", "bruck"),
     "broadcast": ("binomial", "segmented"),
     "all_to_all": ("pairwise", "bruck"),
 }
@@ -75,11 +75,13 @@ class CostModel:
         if collective == "reduce_scatter":
             if algorithm == "ring":
                 return (p - 1) * a + (p - 1) / p * n * (b + g)
-            if algorithm == "recursive_halving":  # + the copy of the input it works in
-                return (lg + 2 * fold) * a + (share + fold) * n * (b + g) + n * g
+            if algorithm == "recursive_halving":
+                return (lg + 2 * fold) * a + (share + fold) * n * (b + g)
         if collective == "all_gather":
             if algorithm == "ring":
                 return (p - 1) * a + (p - 1) / p * n * b
+            if algorithm == "recursive_doubling":
+                return (lg + 2 * fold) * a + (share + fold) * n * b
             if algorithm == "bruck":
                 return lg_up * a + (p - 1) / p * n * b + n * g
         if collective == "all_to_all":
