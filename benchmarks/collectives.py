@@ -10,7 +10,8 @@ time, MPI's time, the ratio auto/MPI, and busbw of the automatic choice and of M
 algbw = S / t (S: the full buffer — all-reduce's vector, all-gather's output, reduce-scatter's input);
 busbw = algbw · F with F = 2(p−1)/p for all-reduce, (p−1)/p for reduce-scatter, all-gather and
 all-to-all, 1 for broadcast: the bandwidth each link must sustain, comparable across p. Times are the median
-of ``--iters`` runs, each started after a barrier, measured as the slowest rank's time. minipar's
+of ``--iters`` runs (more below 4 MiB), each started after a barrier, measured as the slowest rank's time;
+the candidates (every algorithm, the automatic choice, MPI) take turns within each iteration. minipar's
 reduce-scatter and all-gather write into preallocated outputs (``out=``), as MPI's do; all-gather runs in
 place on both sides (this rank's block already in the output: ``MPI_IN_PLACE``), as ZeRO-3 and
 sequence parallelism use it.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import time
 
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
@@ -50,15 +52,25 @@ def cases(comm: Communicator, op: str, n: int):
     }[op]
 
 
-def timed(comm: Communicator, fn, iters: int) -> float:
-    fn()  # warm up (allocations, connections)
-    times = []
+def timed(comm: Communicator, candidates: dict, iters: int) -> dict:
+    """Median seconds of each candidate (the slowest rank's time per run, each run after a barrier).
+    The candidates take turns within every iteration, in an order shuffled alike on every rank, so
+    that the machine's slow and fast phases fall on all of them alike, and so does the state the
+    previous call leaves behind (which cache holds which lines of the buffers: a fixed order made
+    the same algorithm 3× slower behind one predecessor than behind another)."""
+    names = list(candidates)
+    for fn in candidates.values():
+        fn()  # warm up (allocations, connections)
+    times: dict = {name: [] for name in names}
+    order = random.Random(0)  # the same sequence on every rank
     for _ in range(iters):
-        comm.mpi.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(comm.mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    return sorted(times)[len(times) // 2]
+        order.shuffle(names)
+        for name in names:
+            comm.mpi.Barrier()
+            t0 = time.perf_counter()
+            candidates[name]()
+            times[name].append(comm.mpi.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def main() -> None:
@@ -79,9 +91,15 @@ def main() -> None:
     for op in args.ops:
         for nbytes in sizes(args):
             ours, native = cases(comm, op, nbytes // 4)
-            t_alg = {alg: timed(comm, lambda: ours(alg), args.iters) for alg in ALGORITHMS[op]
-                     if alg != "hierarchical" or comm._hierarchy() is not None}
-            t_auto, t_mpi = timed(comm, lambda: ours(None), args.iters), timed(comm, native, args.iters)
+            candidates = {alg: (lambda alg=alg: ours(alg)) for alg in ALGORITHMS[op]
+                          if alg != "hierarchical" or comm._hierarchy() is not None}
+            candidates.update({"auto": lambda: ours(None), "MPI": native})
+            iters = min(args.iters * max(1, (4 << 20) // nbytes), 20 * args.iters)  # small calls: cheap and noisy
+            t = timed(comm, candidates, iters)
+            comm.reset_stats()
+            ours(None)
+            t_auto, t_mpi = t.pop("auto"), t.pop("MPI")
+            t_alg = t
             chosen = comm.stats[op].algorithm
             fastest = min(t_alg, key=t_alg.get)
             if comm.rank == 0:

@@ -9,7 +9,7 @@ Costs in the α-β-γ model (α: per-message latency, β: seconds per byte sent,
 copied; n: bytes; p' the largest power of two ≤ p, fold = 1 when p is not one):
 
     all-reduce     ring               2(p−1)α + 2(p−1)/p·nβ + (p−1)/p·nγ
-                   recursive doubling (log₂p' + 2fold)(α + nβ) + (log₂p' + fold)·nγ
+                   recursive doubling (log₂p' + 2fold)(α + nβ) + (log₂p' + fold + [log₂p' odd])·nγ
                    Rabenseifner       (2log₂p' + 2fold)α + (2(p'−1)/p' + 2fold)·nβ + ((p'−1)/p' + fold)·nγ
                    hierarchical       ring RS + AG inside a node of q ranks, all-reduce of n/q across nodes
     reduce-scatter ring               (p−1)α + (p−1)/p·n(β + γ)
@@ -160,11 +160,12 @@ def ring_reduce_scatter(comm: Any, src: np.ndarray, op: str, tag: int, bounds: l
 
     Step s = 0 … p−2: send the partial sum of chunk (r−s−1) right — at s = 0 this rank's own chunk,
     straight from ``src`` — receive the partial of chunk (r−s−2) from the left and add this rank's
-    chunk to it. A chunk travels once around the ring, gaining one rank's contribution per hop, and
-    arrives complete at its owner after p−1 hops — into a given ``out`` directly. Scratch: two chunks
-    (the running partial and the incoming one; none at p = 2 with ``out``), never a copy of the input.
-    With a ``codec`` chunks travel encoded (16 bits) and are added in ``src``'s precision.
-    T = (p−1)α + (p−1)/p·nβ + (p−1)/p·nγ.
+    chunk to it, in the buffer it arrived in (the one just sent was just read by the neighbour:
+    writing it again would cost a cache-line ownership transfer each). A chunk travels once around
+    the ring, gaining one rank's contribution per hop, and arrives complete at its owner after p−1
+    hops — into a given ``out`` directly. Scratch: two chunks alternating (none at p = 2 with ``out``),
+    never a copy of the input. With a ``codec`` chunks travel encoded (16 bits) and are added in
+    ``src``'s precision. T = (p−1)α + (p−1)/p·nβ + (p−1)/p·nγ.
     """
     p, r = comm.size, comm.rank
     bounds = bounds or chunk_bounds(src.size, p)
@@ -178,21 +179,25 @@ def ring_reduce_scatter(comm: Any, src: np.ndarray, op: str, tag: int, bounds: l
         _finish_avg(out, op, p)
         return out
     width = max(b1 - b0 for b0, b1 in zip(bounds, bounds[1:]))
-    partial = np.empty(width, src.dtype) if p > 2 else None
-    incoming = np.empty(width, codec.wire_dtype if codec else src.dtype) if p > 2 or not into_out else None
+    if codec is None:
+        spare = [np.empty(width, src.dtype) for _ in range(min(p - 1 - into_out, 2))]
+    else:
+        wire = np.empty(width, codec.wire_dtype)
     right, left = (r + 1) % p, (r - 1) % p
+    first = (r - 1) % p  # this rank's own copy of chunk r − 1 goes first
+    send = src[bounds[first]:bounds[first + 1]]
     for s in range(p - 1):
-        send_i, recv_i = (r - s - 1) % p, (r - s - 2) % p
+        recv_i = (r - s - 2) % p
         lo, hi = bounds[recv_i], bounds[recv_i + 1]
-        send = src[bounds[send_i]:bounds[send_i + 1]] if s == 0 else partial[:bounds[send_i + 1] - bounds[send_i]]
         last = s == p - 2  # the last chunk to arrive is this rank's
-        received = out if last and into_out else incoming[:hi - lo]
         if codec is None:
+            received = out if last and into_out else spare[s % 2][:hi - lo]
             comm.sendrecv(send, right, received, left, tag)
         else:
-            comm.sendrecv(codec.encode(send), right, received, left, tag)
-            received = codec.decode(received, src.dtype)
-        reduce(src[lo:hi], received, out=out if last else partial[:hi - lo])
+            comm.sendrecv(codec.encode(send), right, wire[:hi - lo], left, tag)
+            received = codec.decode(wire[:hi - lo], src.dtype)
+        send = out if last else received
+        reduce(src[lo:hi], received, out=send)
     _finish_avg(out, op, p)
     return out
 
@@ -237,35 +242,37 @@ def recursive_doubling_all_reduce(comm: Any, buf: np.ndarray, op: str, tag: int)
     the first 2e ranks each even rank first hands its data to its odd neighbour and sits out; the
     remaining p' ranks run the rounds; the even ranks then receive the result (MPICH's scheme).
     Each participating rank sends log₂p'·n bytes (+n for the folded pairs).
+
+    Each round adds into the copy it just received, not into the buffer it just sent: on shared
+    memory the partner has only now read those cache lines, and writing them back costs an
+    ownership transfer per line (2–4× the add's time, measured at 64 KiB). The partial result
+    alternates between ``buf`` and one scratch buffer, and is copied back once if it ends in the
+    scratch (odd log₂p'). T = (log₂p' + 2fold)(α + nβ) + (log₂p' + fold + [log₂p' odd])·nγ.
     """
     p, r = comm.size, comm.rank
     reduce = REDUCE_OPS[op]
-    pof2 = 1 << (p.bit_length() - 1)
-    extra = p - pof2
-    incoming = np.empty_like(buf)
+    pof2, extra = _fold(p)
+    v = _virtual(r, extra)
+    if v < 0:
+        comm.send(buf, r + 1, tag)
+        comm.recv(buf, r + 1, tag)
+        _finish_avg(buf, op, p)
+        return
+    partial, spare = buf, np.empty_like(buf)
     if r < 2 * extra:
-        if r % 2 == 0:
-            comm.send(buf, r + 1, tag)
-            virtual = -1
-        else:
-            comm.recv(incoming, r - 1, tag)
-            reduce(buf, incoming, out=buf)
-            virtual = r // 2
-    else:
-        virtual = r - extra
-    if virtual >= 0:
-        mask = 1
-        while mask < pof2:
-            partner_virtual = virtual ^ mask
-            partner = partner_virtual * 2 + 1 if partner_virtual < extra else partner_virtual + extra
-            comm.sendrecv(buf, partner, incoming, partner, tag)
-            reduce(buf, incoming, out=buf)
-            mask <<= 1
+        comm.recv(spare, r - 1, tag)
+        reduce(buf, spare, out=buf)  # buf was not sent: adding into it is cheap
+    mask = 1
+    while mask < pof2:
+        partner = _real(v ^ mask, extra)
+        comm.sendrecv(partial, partner, spare, partner, tag)
+        reduce(partial, spare, out=spare)
+        partial, spare = spare, partial
+        mask <<= 1
+    if partial is not buf:
+        buf[...] = partial
     if r < 2 * extra:
-        if r % 2:
-            comm.send(buf, r - 1, tag)
-        else:
-            comm.recv(buf, r + 1, tag)
+        comm.send(buf, r - 1, tag)
     _finish_avg(buf, op, p)
 
 
