@@ -83,10 +83,12 @@ def mpiexec() -> str:
 RANK_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def run_command(n: int, command: list[str], timeout: float = 60.0, env: dict[str, str] | None = None) -> str:
-    """Run ``mpiexec -n n command...``; return its output, or raise AssertionError on failure or timeout."""
+def run_command(n: int, command: list[str], timeout: float = 60.0, env: dict[str, str] | None = None,
+                launcher: list[str] | None = None) -> str:
+    """Run ``mpiexec [launcher...] -n n command...``; return its output, or raise AssertionError on failure or
+    timeout. ``launcher``: extra mpiexec options, e.g. ``["-hosts", "a,b", "-ppn", "2"]``."""
     full_env = {**os.environ, **RANK_ENV, **(env or {})}
-    proc = subprocess.Popen([mpiexec(), "-n", str(n), *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen([mpiexec(), *(launcher or []), "-n", str(n), *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=full_env, start_new_session=True, text=True)
     start = time.monotonic()
     try:
@@ -101,11 +103,12 @@ def run_command(n: int, command: list[str], timeout: float = 60.0, env: dict[str
     return out
 
 
-def run_ranks(n: int, fn: Callable[..., Any], *args: Any, timeout: float = 60.0, env: dict[str, str] | None = None) -> str:
+def run_ranks(n: int, fn: Callable[..., Any], *args: Any, timeout: float = 60.0, env: dict[str, str] | None = None,
+              launcher: list[str] | None = None) -> str:
     """Run the module-level function ``fn(*args)`` (JSON-able args) on ``n`` ranks; see the module docstring."""
     path = inspect.getsourcefile(fn)
     command = [sys.executable, "-m", "minipar.testing", path, fn.__name__, json.dumps(args)]
-    return run_command(n, command, timeout=timeout, env=env)
+    return run_command(n, command, timeout=timeout, env=env, launcher=launcher)
 
 
 def train_cli(args: list[str], ranks: int = 1, out: str | None = None, timeout: float = 300.0) -> tuple[list, dict | None]:

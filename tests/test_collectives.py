@@ -509,6 +509,42 @@ def test_hierarchical_needs_even_nodes(p, per_node):
         run_ranks(p, _hierarchical_refused_on_uneven_nodes, timeout=60, env={"MINIPAR_RANKS_PER_NODE": str(per_node)})
 
 
+def _two_hosts_on_one_machine():
+    """Started as ``mpiexec -launcher fork -hosts localhost,127.0.0.1 -ppn 2 -n 4``: MPICH itself puts ranks
+    0, 1 and 2, 3 on two nodes (its shared-memory split says so) and carries the messages between them
+    over its network module, as between machines — no MINIPAR_RANKS_PER_NODE. minipar takes the nodes
+    from that split, the hierarchical all-reduce matches MPI, the cost model measures the two links
+    apart (and caches them under two nodes), and picks the hierarchical all-reduce for a large buffer
+    by itself: the network module is slower than shared memory."""
+    import glob
+    import os
+
+    comm = Communicator()
+    p, r = comm.size, comm.rank
+    assert "MINIPAR_RANKS_PER_NODE" not in os.environ and comm._node_ids() == [0, 0, 2, 2]
+    for n in (0, 5, 40003):
+        x = _data(r, n, "float64")
+        ref, abs_sum = _reference_reduce(comm.mpi, x, "sum")
+        ours = x.copy()
+        comm.all_reduce(ours, algorithm="hierarchical")
+        _check_close(ours, ref, abs_sum, "float64", p, f"hierarchical across hosts n={n}")
+    model = comm.cost_model()
+    assert glob.glob(os.path.expanduser("~/.cache/minipar/collectives-*-4ranks-2nodes.json"))
+    x = np.full(1 << 20, r + 1.0)  # 8 MiB
+    comm.all_reduce(x)
+    assert (x == p * (p + 1) / 2).all()
+    assert model.beta_inter > model.beta, f"the link between the hosts measured faster than shared memory: {model}"
+    assert comm.stats["all_reduce"].algorithm == "hierarchical", model
+
+
+def test_two_hosts_on_one_machine(tmp_path):
+    """The multi-host recipe of the README (``mpiexec -hosts h1,h2 -ppn 2``), with hydra's fork launcher
+    instead of ssh so that both "hosts" are this machine; HOME points at an empty directory so that the
+    cost model is measured afresh."""
+    run_ranks(4, _two_hosts_on_one_machine, timeout=120, env={"HOME": str(tmp_path)},
+              launcher=["-launcher", "fork", "-hosts", "localhost,127.0.0.1", "-ppn", "2"])
+
+
 def test_cost_model_choices():
     from minipar.comm.tuning import CostModel
 

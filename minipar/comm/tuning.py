@@ -10,7 +10,7 @@ For a communicator spanning several nodes, the flat algorithms are charged the l
 its slowest hop — and the hierarchical all-reduce pays them only on the n/q bytes that cross.
 
 The parameters are measured by the first communicator that needs them, cached in
-``~/.cache/minipar/collectives-<host>-<world>ranks.json`` and, on every first use in a communicator,
+``~/.cache/minipar/collectives-<host>-<world>ranks-<nodes>nodes.json`` and, on every first use in a communicator,
 broadcast from its rank 0: every rank must pick the same algorithm, so every rank must hold the same
 numbers. With each algorithm's cost formula (in its docstring in ``collectives.py``) :meth:`CostModel.best`
 picks the fastest for (collective, bytes, p, nodes); ``algorithm=`` on a call overrides it.
@@ -111,9 +111,14 @@ class CostModel:
         return min(ALGORITHMS[collective], key=lambda alg: self.time(collective, alg, n, p, nodes))
 
 
-def cache_path(world: int) -> str:
+def cache_path(world: int, nodes: int = 1) -> str:
+    """Where this host keeps the model measured by a communicator spanning ``nodes`` nodes in a world of
+    ``world`` ranks. The node count is part of the name because only a communicator across nodes measures
+    the links between them (a one-node model holds the node's own numbers there); nodes emulated with
+    ``MINIPAR_RANKS_PER_NODE`` get their own file, their "links between nodes" being shared memory."""
+    emulated = "-emulated" if nodes > 1 and os.environ.get("MINIPAR_RANKS_PER_NODE") else ""
     return os.path.join(os.path.expanduser("~"), ".cache", "minipar",
-                        f"collectives-{socket.gethostname()}-{world}ranks.json")
+                        f"collectives-{socket.gethostname()}-{world}ranks-{nodes}nodes{emulated}.json")
 
 
 def _load(path: str) -> CostModel | None:
@@ -142,9 +147,18 @@ def _exchange(mpi: Any, a: int, b: int, nbytes: int, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _quiet_barrier(mpi: Any) -> None:
+    """A barrier that sleeps while it waits: the ranks not being measured leave the cores to those that are
+    (MPI's own barrier spins, and with more ranks than cores the spinning halves what is measured)."""
+    request = mpi.Ibarrier()
+    while not request.Test():
+        time.sleep(50e-6)
+
+
 def measure(mpi: Any, node_of: list[int]) -> CostModel:
-    """α, β between ranks 0 and 1 (and between rank 0 and the first rank on another node), γ on rank 0;
-    every rank of ``mpi`` takes part; rank 0's numbers are returned everywhere."""
+    """γ on rank 0, then α, β between ranks 0 and its nearest neighbour on its node, then between rank 0
+    and the first rank on another node, one measurement at a time while every other rank of ``mpi``
+    sleeps in a barrier; rank 0's numbers are returned everywhere."""
     probe = mpi.Dup()
     try:
         far = next((r for r, node in enumerate(node_of) if node != node_of[0]), None)
@@ -155,13 +169,20 @@ def measure(mpi: Any, node_of: list[int]) -> CostModel:
                 return 0.0, 0.0
             alpha = _exchange(probe, 0, partner, 8, 50)
             big = 4 << 20
-            return alpha, max(_exchange(probe, 0, partner, big, 5) - alpha - big * gamma, 0.0) / big
+            beta = max(_exchange(probe, 0, partner, big, 7) - alpha - big * gamma, 0.0) / big
+            _quiet_barrier(probe)
+            return alpha, beta
 
-        x, y = np.ones(1 << 18, np.float32), np.ones(1 << 18, np.float32)
-        t0 = time.perf_counter()
-        for _ in range(20):
-            np.add(x, y, out=x)
-        gamma = (time.perf_counter() - t0) / 20 / x.nbytes
+        gamma = 0.0
+        if probe.Get_rank() == 0:
+            x, y = np.ones(1 << 18, np.float32), np.ones(1 << 18, np.float32)
+            times = []
+            for _ in range(31):
+                t0 = time.perf_counter()
+                np.add(x, y, out=x)
+                times.append(time.perf_counter() - t0)
+            gamma = sorted(times)[len(times) // 2] / x.nbytes  # the median: one preemption must not count
+        _quiet_barrier(probe)
         alpha, beta = link(near)
         alpha_inter, beta_inter = link(far)
         if near is None:  # every rank on its own node: the inter-node link is the only one
@@ -176,8 +197,7 @@ def measure(mpi: Any, node_of: list[int]) -> CostModel:
 def agree(mpi: Any, node_of: list[int]) -> CostModel:
     """The cost model every rank of ``mpi`` will use: the cached one if every rank has a cache, else
     measured now (and cached); in both cases rank 0's copy. A collective call on ``mpi``."""
-    world = MPI.COMM_WORLD.Get_size()
-    path = cache_path(world)
+    path = cache_path(MPI.COMM_WORLD.Get_size(), len(set(node_of)))
     cached = _load(path)
     if mpi.allreduce(cached is not None, op=MPI.LAND):
         return mpi.bcast(cached if mpi.Get_rank() == 0 else None)
