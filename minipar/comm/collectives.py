@@ -196,7 +196,7 @@ def ring_reduce_scatter(comm: Any, src: np.ndarray, op: str, tag: int, bounds: l
         else:
             comm.sendrecv(codec.encode(send), right, wire[:hi - lo], left, tag)
             received = codec.decode(wire[:hi - lo], src.dtype)
-        send = out if last else received
+        send = out if last else received  # the sum is made where the chunk arrived, and travels on from there
         reduce(src[lo:hi], received, out=send)
     _finish_avg(out, op, p)
     return out
