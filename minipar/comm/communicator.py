@@ -295,7 +295,7 @@ class Communicator:
         if out is not None:
             if out.shape != (mine,) or out.dtype != x.dtype:
                 raise ValueError(f"reduce_scatter: out must be a ({mine},) {x.dtype} array")
-            if not on_gpu(out) and np.may_share_memory(out, x):
+            if not on_gpu(out) and not on_gpu(x) and np.may_share_memory(out, x):  # numpy cannot look at cupy memory
                 raise ValueError("reduce_scatter: out must not overlap x")
 
         def run(buf: np.ndarray, tag: int) -> np.ndarray:
