@@ -80,6 +80,20 @@ def _compressors_against_mpi():
     expected = sum(_fp32_ring_bytes(size, p, comm.rank) * 2 for size in (7, 20 * 2, 12 * 2))  # float64: twice fp32
     assert comm.bytes_sent("grads") == expected
 
+    # error feedback over steps, on full-rank gradients: each rank's residual e_t = g_t + e_{t−1} − P_t Q_tᵀ, so the
+    # approximations sent add up to Σ_t g_t − e_T on every rank (what is held back is added back, never lost)
+    bucket, compressor = _bucket([(20, 12)]), PowerSGD(rank=2)
+    sent_total, g_total = np.zeros(240), np.zeros(240)
+    for step in range(3):
+        g = np.random.default_rng((comm.rank, step, 7)).standard_normal(240)
+        flat = g.copy()
+        compressor.reduce(comm, bucket, flat)
+        sent_total += flat
+        g_total += g
+    residual = compressor.residual[id(bucket.params[0])].ravel()
+    assert np.abs(residual).max() > 0.1  # rank 2 of a full-rank 20×12 matrix: much is held back
+    np.testing.assert_allclose(sent_total, g_total - residual, rtol=1e-12, atol=1e-12)
+
 
 def _fp32_ring_bytes(n, p, rank):
     from minipar.comm.collectives import all_reduce_bytes_sent

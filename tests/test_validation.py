@@ -1,6 +1,7 @@
 """The planner against published runs (minipar/parallel/validation.py): the transcription of each table is
-checked against the paper's own derived numbers, then every run is predicted within 10% (mean 5%), and
-within 15% when its code base's constant is fitted without it."""
+checked against the paper's own derived numbers, then every run is predicted with the README's figures —
+max error 8.1%, mean 2.3%; leave-one-out max 8.1%, mean 2.5% — asserted to the printed digit, so a change of
+the cost model that moves them fails here until the README says so."""
 import subprocess
 import sys
 
@@ -25,17 +26,21 @@ def test_tables_are_transcribed_consistently():
     assert all(r.dp * r.tp * r.pp == r.gpus for r in validation.PUBLISHED_RUNS)
 
 
-def test_every_published_run_is_predicted_within_10_percent():
+def percent(x: float) -> float:
+    return round(100 * float(x), 1)
+
+
+def test_every_published_run_is_predicted_as_the_readme_says():
     efficiency = validation.fit(A100, validation.PUBLISHED_RUNS)
     errors = np.abs(validation.errors(A100, efficiency, validation.PUBLISHED_RUNS))
-    assert len(errors) == 24 and errors.max() < 0.10 and errors.mean() < 0.05, errors
+    assert len(errors) == 24 and (percent(errors.max()), percent(errors.mean())) == (8.1, 2.3), errors
     assert 0.5 < efficiency["Megatron-LM 2021"] < efficiency["Megatron-LM 2022"] < 0.85  # of the dense bf16 peak
     assert A100.gemm_efficiency == pytest.approx(efficiency["Megatron-LM 2022"], abs=0.005)  # the profile's constant
 
 
-def test_leave_one_out_stays_within_15_percent():
+def test_leave_one_out_errors_are_the_readmes():
     held_out = np.abs(validation.leave_one_out(A100))
-    assert held_out.max() < 0.15, held_out
+    assert (percent(held_out.max()), percent(held_out.mean())) == (8.1, 2.5), held_out
 
 
 def test_full_recomputation_costs_what_korthikanti_et_al_measured():
