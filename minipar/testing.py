@@ -150,6 +150,7 @@ def _rank_main(path: str, name: str, args_json: str) -> None:
     from mpi4py import MPI
 
     rank = MPI.COMM_WORLD.Get_rank()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # as pytest does: the test's folder is importable
     try:
         spec = importlib.util.spec_from_file_location(f"_rank_target_{rank}", path)
         module = importlib.util.module_from_spec(spec)

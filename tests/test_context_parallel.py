@@ -8,7 +8,6 @@ import pytest
 
 import numpy as np
 
-from minipar.comm.collectives import all_to_all_bytes_sent
 from minipar.testing import assert_same_training, run_command, run_ranks, train_cli
 
 L, B, T, H, C = 2, 8, 24, 12, 24
@@ -38,15 +37,14 @@ def test_matches_single_process(tmp_path, single, layout, kind, split):
     ranks = flags["--cp"] * flags.get("--dp", 1) * flags.get("--tp", 1) * flags.get("--pp", 1)
     result = train_cli([*model(), *layout, "--cp-kind", kind, "--cp-split", split], ranks, str(tmp_path / "cp"))
     assert_same_training(result, single)
-    cp, dp, tp = flags["--cp"], flags.get("--dp", 1), flags.get("--tp", 1)
-    if flags.get("--pp", 1) > 1:
-        return
+    cp, dp, tp, pp = flags["--cp"], flags.get("--dp", 1), flags.get("--tp", 1), flags.get("--pp", 1)
+    layers = L // pp  # rank 0's: the first pipeline stage
     local = B // dp * (T // cp) * C // tp  # this rank's q (or k, or v) elements per layer
-    if kind == "ulysses":  # per layer and direction: q|k|v to heads, the output back, pairwise
-        forward = backward = L * (all_to_all_bytes_sent([3 * local // cp] * cp, 8, 0, "pairwise")
-                                  + all_to_all_bytes_sent([local // cp] * cp, 8, 0, "pairwise"))
+    if kind == "ulysses":  # per layer and direction, an all-to-all of q|k|v (3·local) and one of the output
+        # (local): each rank keeps 1/cp of what it holds and sends the other (cp−1)/cp (DeepSpeed-Ulysses §3)
+        forward = backward = layers * (cp - 1) * (3 * local + local) // cp * 8
     else:  # K|V around the ring cp−1 times forward; K|V|dK|dV cp times backward
-        forward, backward = L * (cp - 1) * 2 * local * 8, L * cp * 4 * local * 8
+        forward, backward = layers * (cp - 1) * 2 * local * 8, layers * cp * 4 * local * 8
     for record in result[0]:
         assert record["comm_bytes_by_op"]["cp_forward"] == forward
         assert record["comm_bytes_by_op"]["cp_backward"] == backward

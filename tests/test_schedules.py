@@ -1,7 +1,10 @@
 """Pipeline schedules (schedules.py): every schedule for p ≤ 8, m ≤ 16, v ≤ 4 replays on the simulator — each
-F, B, W exactly once, nothing used before it arrives, no deadlock — with the bubble of its formula and the
-stated peak activations; the simulator itself catches broken schedules; bad parameters are refused."""
+F, B, W exactly once, nothing used before it arrives, no deadlock — with the papers' bubble (closed_forms.py,
+written apart from schedules.py) and the stated peak activations; the simulator itself catches broken
+schedules; bad parameters are refused."""
 import pytest
+
+from closed_forms import pipeline_bubble
 
 from minipar.parallel import schedules
 from minipar.parallel.schedules import Action, bubble_formula, check_schedule, schedule, simulate, timeline
@@ -21,6 +24,10 @@ def test_every_schedule_replays_with_its_bubble_and_peak():
     for kind, p, m, v in _cases():
         sim = simulate(kind, p, m, v)
         assert sim.bubble == pytest.approx(bubble_formula(kind, p, m, v), abs=1e-12), (kind, p, m, v)
+        if kind != "zb-h1" or m >= p:  # the paper's form; ZB-H1 with m < p: at least 1F1B's p−1 idle units
+            assert sim.bubble == pytest.approx(pipeline_bubble(kind, p, m, v), abs=1e-12), (kind, p, m, v)
+        else:
+            assert sim.makespan - sim.busy >= p - 1
         peak = {"gpipe": [m] * p, "1f1b": [min(p - r, m) for r in range(p)],
                 "interleaved": [min((p - r - 1) * 2 + (v - 1) * p + 1, m * v) if v > 1 else min(p - r, m)
                                 for r in range(p)]}.get(kind)

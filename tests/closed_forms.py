@@ -1,0 +1,21 @@
+"""The papers' closed forms, written here apart from the code they check (no minipar imports): a test compares
+what minipar measures or simulates with these, never with minipar's own formula for the same thing."""
+
+
+def pipeline_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
+    """Idle share of a pipeline step's makespan, p stages, m microbatches, v chunks per rank, backward = 2 forwards.
+
+    GPipe (Huang et al. 2019, §2.2) and 1F1B (Narayanan et al. 2021, §2.2.1): (p−1)/(m+p−1).
+    Interleaved 1F1B (Narayanan et al. 2021, §2.2.2): the bubble shrinks by v: (p−1)/(v·m+p−1).
+    ZB-H1 (Qi et al. 2024, §3, F = B = W and m ≥ p): 1F1B's p−1 idle passes of 3 units become p−1 units,
+    over 3m units of work: (p−1)/(3m+p−1).
+    """
+    if kind in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if kind == "interleaved":
+        return (p - 1) / (v * m + p - 1)
+    if kind == "zb-h1":
+        if m < p:
+            raise ValueError("the ZB-H1 closed form holds for m >= p")
+        return (p - 1) / (3 * m + p - 1)
+    raise ValueError(kind)
