@@ -514,8 +514,10 @@ def _two_hosts_on_one_machine():
     0, 1 and 2, 3 on two nodes (its shared-memory split says so) and carries the messages between them
     over its network module, as between machines — no MINIPAR_RANKS_PER_NODE. minipar takes the nodes
     from that split, the hierarchical all-reduce matches MPI, the cost model measures the two links
-    apart (and caches them under two nodes), and picks the hierarchical all-reduce for a large buffer
-    by itself: the network module is slower than shared memory."""
+    apart (and caches them under two nodes), and — given a link between the hosts 10× slower than shared
+    memory — picks the hierarchical all-reduce for a large buffer by itself. (Which link measures faster on a
+    busy 2-core machine is timing, not a property of the code: the test does not assert it.)"""
+    import dataclasses
     import glob
     import os
 
@@ -531,11 +533,12 @@ def _two_hosts_on_one_machine():
     model = comm.cost_model()
     comm.mpi.Barrier()  # the first rank on each node writes the cache as it returns
     assert glob.glob(os.path.expanduser("~/.cache/minipar/collectives-*-4ranks-2nodes.json"))
+    assert all(0 < value < 1 for value in dataclasses.astuple(model)), model  # seconds per message / byte
+    comm._cost = dataclasses.replace(model, alpha_inter=10 * model.alpha, beta_inter=10 * model.beta)  # every rank
     x = np.full(1 << 20, r + 1.0)  # 8 MiB
     comm.all_reduce(x)
     assert (x == p * (p + 1) / 2).all()
-    assert model.beta_inter > model.beta, f"the link between the hosts measured faster than shared memory: {model}"
-    assert comm.stats["all_reduce"].algorithm == "hierarchical", model
+    assert comm.stats["all_reduce"].algorithm == "hierarchical", comm._cost
 
 
 def test_two_hosts_on_one_machine(tmp_path):
