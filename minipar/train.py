@@ -4,10 +4,12 @@ One step:  for each of m microbatches: forward, loss/m, backward (gradients accu
            → clip the global gradient norm → AdamW with the cosine learning rate.
 Rank 0 prints one progress line per step (or one JSON object with ``--json``).
 
-Under ``mpiexec -n dp·tp`` the ranks form a mesh (tp fastest). A tensor-parallel group of tp
-ranks shares one model, split layer by layer (``--tp``); the dp groups each train on their rows
-of the global batch through DataParallel (``--zero 0``) or ZeRO stage 1-3. The step is the same
-code in every layout: engine(x, y) → backward → engine.sync_gradients() → clip → optimizer.step().
+Under ``mpiexec -n dp·cp·tp·pp`` the ranks form a mesh (parallel/mesh.py: tp fastest, then cp, dp, pp).
+A tensor-parallel group of tp ranks shares one model, split layer by layer (``--tp``, ``--sp``); cp ranks
+split each sequence (``--cp``); pp ranks hold consecutive stages and run a pipeline schedule (``--pp``);
+the dp groups each train on their rows of the global batch through DataParallel (``--zero 0``) or
+ZeRO stage 1-3, with experts spread over ep of them (``--ep``). The step is the same code in every
+layout: pipeline.run(engine, x, y) → engine.sync_gradients() → clip → optimizer.step().
 """
 from __future__ import annotations
 

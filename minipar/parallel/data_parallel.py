@@ -23,8 +23,8 @@ accumulate in ``p.grad``; the next backward outside it averages the accumulated 
 Expert parameters (``p.expert``, see models/moe.py) under expert parallelism differ between the
 ranks of an ep group, so they reduce over ``expert_comm`` — the ranks holding the same experts —
 instead of ``comm``. Their gradient on a rank already sums the contributions of the ep ranks whose
-tokens it computed; averaging over the dp/ep expert replicas and scaling by ep/dp·(dp/ep) = 1/ep
-gives the same (1/p) Σ_r ∇L_r as for every other parameter (:func:`replica_groups`).
+tokens it computed; averaging over the dp/ep expert replicas multiplies that sum by ep/dp, and the
+scale 1/ep then gives the same (1/dp) Σ_r ∇L_r as for every other parameter (:func:`replica_groups`).
 """
 from __future__ import annotations
 

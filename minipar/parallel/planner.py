@@ -1,5 +1,6 @@
-"""The automatic planner: every dp·tp·pp·zero·microbatch layout of a GPT on W devices, its memory and
-step time predicted from a cost model of the hardware, ranked.
+"""The automatic planner: every layout of a GPT on W devices — dp·cp·tp·pp degrees, sp, ep, the pipeline
+schedule and its virtual stages, the ZeRO stage and shard group, microbatches and recomputation — its memory
+and step time predicted from a cost model of the hardware, ranked.
 
 Cost model, per optimizer step on the busiest device (t = b·T tokens per microbatch, b = B/(dp·m)):
 
