@@ -7,6 +7,8 @@
 The PyTorch model is written here to mirror minipar's GPT op for op (same shapes, tanh GELU,
 tied head, AdamW), so the two numbers compare one engine with another. torch is not a minipar
 dependency: install it yourself to run that half.
+
+Deep dive, with measurements: docs/speed.md.
 """
 from __future__ import annotations
 

@@ -40,6 +40,8 @@ on top of :class:`Function` and :class:`Tensor`; the Tensor operators here (``a 
 ``a.sum()``) are one-line calls into ``ops``, so that ``x @ w + b`` reads like numpy. The cycle is
 closed by one import at the bottom of this file, after both classes exist; nothing else in minipar
 has an import cycle (tests/test_layering.py checks it).
+
+Deep dive, with measurements: docs/architecture.md.
 """
 from __future__ import annotations
 

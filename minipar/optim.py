@@ -9,6 +9,8 @@ master from the gradient (upcast, times ``grad_scale`` = 1/loss scale) and write
 16 bits: 2Ψ + 2Ψ + (4 + 4 + 4)Ψ = 16Ψ bytes for Ψ parameters, the ZeRO paper's count. Norms are summed
 in float32. float16 needs :class:`LossScaler` (its gradients would underflow); bfloat16 has float32's
 range and does not.
+
+Deep dive, with measurements: docs/memory.md.
 """
 from __future__ import annotations
 

@@ -12,6 +12,8 @@ way the test gets an ``AssertionError`` carrying every rank's output.
 
     def test_agree():
         run_ranks(4, _ranks_agree)
+
+Deep dive, with measurements: docs/testing.md.
 """
 from __future__ import annotations
 

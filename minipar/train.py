@@ -10,6 +10,8 @@ split each sequence (``--cp``); pp ranks hold consecutive stages and run a pipel
 the dp groups each train on their rows of the global batch through DataParallel (``--zero 0``) or
 ZeRO stage 1-3, with experts spread over ep of them (``--ep``). The step is the same code in every
 layout: pipeline.run(engine, x, y) → engine.sync_gradients() → clip → optimizer.step().
+
+Deep dive, with measurements: docs/running.md.
 """
 from __future__ import annotations
 

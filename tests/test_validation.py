@@ -1,7 +1,7 @@
 """The planner against published runs (minipar/parallel/validation.py): the transcription of each table is
-checked against the paper's own derived numbers, then every run is predicted with the README's figures —
-max error 8.1%, mean 2.3%; leave-one-out max 8.1%, mean 2.5% — asserted to the printed digit, so a change of
-the cost model that moves them fails here until the README says so."""
+checked against the paper's own derived numbers, then every run is predicted with the figures that
+docs/planner.md prints — max error 8.1%, mean 2.3%; leave-one-out max 8.1%, mean 2.5% — asserted to the
+printed digit, so a change of the cost model that moves them fails here until the page says so."""
 import subprocess
 import sys
 

@@ -17,6 +17,8 @@
 The GPT adds ``aux_loss_coef`` × the sum of its layers' aux to the language-model loss. Routing
 decisions (which expert, which slot) are index computations without gradient; everything they
 select — gates, expert inputs, expert outputs — is differentiable through gather/scatter ops.
+
+Deep dive, with measurements: docs/experts.md.
 """
 from __future__ import annotations
 

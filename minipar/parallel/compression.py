@@ -17,6 +17,8 @@ on the communication thread, which must leave the average over ranks (or its app
 All results are computed from the same received data in the same order on every rank, so the
 replicas stay identical. Compressed buckets are reduced when full, like plain DP's, but the
 compression arithmetic itself also runs on the communication thread.
+
+Deep dive, with measurements: docs/compression.md.
 """
 from __future__ import annotations
 

@@ -31,6 +31,8 @@ backward through the exchanges routes every rank's share of every other rank's l
 
 Constraints: T divisible by cp (contiguous) or 2·cp (zigzag); for Ulysses the heads a rank holds
 (n_head / tp) divisible by cp.
+
+Deep dive, with measurements: docs/context_parallel.md.
 """
 from __future__ import annotations
 

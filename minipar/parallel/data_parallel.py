@@ -25,6 +25,8 @@ ranks of an ep group, so they reduce over ``expert_comm`` — the ranks holding 
 instead of ``comm``. Their gradient on a rank already sums the contributions of the ep ranks whose
 tokens it computed; averaging over the dp/ep expert replicas multiplies that sum by ep/dp, and the
 scale 1/ep then gives the same (1/dp) Σ_r ∇L_r as for every other parameter (:func:`replica_groups`).
+
+Deep dive, with measurements: docs/data_parallel.md.
 """
 from __future__ import annotations
 

@@ -32,6 +32,8 @@ squares count 1/ep on each ep rank (``norm_scale``).
 
 Under tensor parallelism each tp rank runs the MoE layers whole on the same (replicated) tokens and
 exchanges them with the ranks of its own tp coordinate.
+
+Deep dive, with measurements: docs/experts.md.
 """
 from __future__ import annotations
 

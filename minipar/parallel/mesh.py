@@ -24,6 +24,8 @@ with the same position in their run). Without it ZeRO shards over all of grad_co
 
     mesh = Mesh(Communicator(), dp=2, tp=2, pp=2)   # 8 ranks
     mesh.tp_comm, mesh.dp_comm, mesh.pp_comm        # this rank's groups (and cp_comm, grad_comm, ep_comm, ...)
+
+Deep dive, with measurements: docs/pipeline.md.
 """
 from __future__ import annotations
 

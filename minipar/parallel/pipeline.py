@@ -35,6 +35,8 @@ rank keeps a mirror (not a parameter): at the start of each step rank 0 sends it
 after its last pass the last rank sends the table's gradient back, which rank 0 adds in before the
 final backward of its chunk 0 — so rank 0's ``wte.grad`` is the single-process gradient (embedding +
 head) when data parallelism reduces it.
+
+Deep dive, with measurements: docs/pipeline.md.
 """
 from __future__ import annotations
 

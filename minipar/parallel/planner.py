@@ -47,6 +47,8 @@ without the 5·a·s/h term under selective recomputation, or just the layer inpu
 recomputation, plus the logits of the last stage.
 A mixture-of-experts MLP holds its 4h-wide intermediates for c·k·s·b rows, whole on every tp rank:
 16·c·k instead of 16/tp of the linear term.
+
+Deep dive, with measurements: docs/planner.md.
 """
 from __future__ import annotations
 

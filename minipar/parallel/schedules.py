@@ -30,6 +30,8 @@ waits for B of stage s+1 (the last stage's B for its own F), a W for its own B; 
 max(its rank's clock, the arrival of what it needs). It fails on a pass that runs twice or never,
 or on a deadlock (no rank can proceed), and returns the makespan, the bubble and the peak number of
 chunk-microbatches whose activations a rank holds (after F until its B — or W, when split).
+
+Deep dive, with measurements: docs/pipeline.md.
 """
 from __future__ import annotations
 

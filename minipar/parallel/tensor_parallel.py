@@ -45,6 +45,8 @@ norm and residual activations shrink by tp. The parameters used on a shard (laye
 row-parallel biases) see only this rank's tokens: their gradients pass an ``f`` (all-reduce, label
 ``sp_params``), which makes them whole and equal on every rank, as in TP. The loss is unchanged:
 the head gathers the full sequence for its vocabulary slice. T must be divisible by tp.
+
+Deep dive, with measurements: docs/tensor_parallel.md.
 """
 from __future__ import annotations
 

@@ -18,6 +18,8 @@ kernels) — fitted to its rows; ``leave_one_out`` fits it without each row in t
 Not in the set: Table 2's ZeRO-3 rows (DeepSpeed, a different engine whose overlap of gathers and compute
 this model does not describe; the 530B ones are the paper's own estimates), and H100 runs (none found with
 their full layout stated).
+
+Deep dive, with measurements: docs/planner.md.
 """
 from __future__ import annotations
 

@@ -55,6 +55,8 @@ R = N/K: the shard-size all-reduce is the price of keeping the all-gathers insid
 Expert parallelism: expert parameters are sharded over ``expert_comm`` (the ranks holding the same
 experts) instead of ``comm``, each group's gradient scaled as data_parallel.replica_groups says; every
 shard carries its own communicator, and a stage-3 unit with both kinds holds one shard of each.
+
+Deep dive, with measurements: docs/data_parallel.md.
 """
 from __future__ import annotations
 
