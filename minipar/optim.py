@@ -169,12 +169,12 @@ class LossScaler:
 
     def __init__(self, scale: float = 2.0**16, growth: float = 2.0, backoff: float = 0.5, growth_interval: int = 2000):
         self.scale, self.growth, self.backoff, self.growth_interval = scale, growth, backoff, growth_interval
-        self.good_steps, self.skipped = 0, 0
+        self.good_steps = 0
 
     def update(self, finite: bool) -> None:
         if not finite:
             self.scale *= self.backoff
-            self.good_steps, self.skipped = 0, self.skipped + 1
+            self.good_steps = 0
             return
         self.good_steps += 1
         if self.good_steps % self.growth_interval == 0:

@@ -101,6 +101,34 @@ def _fp32_ring_bytes(n, p, rank):
     return all_reduce_bytes_sent(n, 4, p, rank, "ring")
 
 
+def _empty_buckets_pass_through():
+    """A bucket of no elements — every compressor sends its empty (or scale-only) payload and returns nothing."""
+    from minipar.comm import Communicator
+    from minipar.parallel.compression import Cast, Int8, PowerSGD, TopK
+
+    comm = Communicator()
+    for compressor in (Cast("bfloat16"), Int8(), TopK(0.5), PowerSGD(1)):
+        flat = np.zeros(0, np.float32)
+        compressor.reduce(comm, _bucket([(0,)], np.float32), flat)
+        assert flat.size == 0
+
+
+def test_compressors_on_empty_buckets():
+    run_ranks(2, _empty_buckets_pass_through)
+
+
+def test_compressor_parameters_are_checked():
+    from minipar.parallel.compression import COMPRESSIONS, PowerSGD, TopK, make_compressor
+
+    for bad in (lambda: TopK(0), lambda: TopK(1.5), lambda: PowerSGD(0), lambda: make_compressor("zstd")):
+        with pytest.raises(ValueError):
+            bad()
+    assert TopK(1.0).ratio == 1.0 and PowerSGD(1).rank == 1  # the edges are allowed
+    assert make_compressor("none") is None
+    assert [make_compressor(name).name for name in COMPRESSIONS[1:]] == ["float16", "bfloat16", "int8", "topk(0.01)",
+                                                                          "powersgd(r=4)"]
+
+
 @pytest.mark.parametrize("p", [2, 3])
 def test_compressors(p):
     run_ranks(p, _compressors_against_mpi, timeout=120)

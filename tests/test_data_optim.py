@@ -6,7 +6,7 @@ import pytest
 
 from minipar.data import BPETokenizer, Batches, ByteTokenizer, default_corpus, load_tokens, shard_rows
 from minipar.nn import Parameter
-from minipar.optim import SGD, AdamW, clip_grad_norm, cosine_lr
+from minipar.optim import SGD, AdamW, LossScaler, clip_grad_norm, cosine_lr
 
 
 def test_byte_tokenizer_round_trip():
@@ -74,6 +74,17 @@ def test_adamw_matches_formula():
         mb, vb = 0.9 * mb + 0.1 * g[0], 0.99 * vb + 0.01 * g[0] ** 2
         bb = bb - 0.01 * (mb / (1 - 0.9**t)) / (np.sqrt(vb / (1 - 0.99**t)) + 1e-8)
     np.testing.assert_allclose(b.data, bb, rtol=1e-13)
+
+
+def test_loss_scaler_follows_pytorchs_grad_scaler():
+    """PyTorch's GradScaler defaults (init_scale 2^16, growth ×2, backoff ×0.5, growth interval 2000); an overflow
+    halves the scale and restarts the count of good steps; every growth_interval-th good step in a row doubles it."""
+    default = LossScaler()
+    assert (default.scale, default.growth, default.backoff, default.growth_interval) == (2.0**16, 2.0, 0.5, 2000)
+    scaler = LossScaler(8.0, growth_interval=3)
+    for finite, scale in [(True, 8), (True, 8), (True, 16), (False, 8), (True, 8), (True, 8), (True, 16), (True, 16)]:
+        scaler.update(finite)
+        assert scaler.scale == scale
 
 
 def test_sgd_momentum():

@@ -30,8 +30,8 @@ TARGETS = {
     "optim": (["minipar/optim.py"],
               "tests/test_data_optim.py tests/test_mixed_precision.py -k 'adamw or zero_masters or overflow or optim "
               "or clip or cosine or sgd or resume'"),
-    "compression": (["minipar/parallel/compression.py"], "tests/test_compression_local_sgd.py -k compressors"),
-    "local_sgd": (["minipar/parallel/local_sgd.py"], "tests/test_compression_local_sgd.py -k 'local_sgd'"),
+    "compression": (["minipar/parallel/compression.py", "minipar/parallel/local_sgd.py"],
+                    "tests/test_compression_local_sgd.py"),
     "checkpoint": (["minipar/checkpoint.py"], "tests/test_checkpoint.py"),
     "collectives": (["minipar/comm/collectives.py"], "tests/test_collectives.py -k 'match_mpi or debug'"),
     "communicator": (["minipar/comm/communicator.py"], "tests/test_collectives.py"),
