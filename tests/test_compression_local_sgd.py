@@ -188,6 +188,55 @@ def _stale_rounds_end_in_consensus(staleness):
     assert (everyone == mine).all(), "replicas must agree after finish()"
 
 
+def _diloco_follows_its_formula(staleness):
+    """DiLoCo's defaults (Douillard et al. 2023: outer SGD, lr 0.7, Nesterov momentum 0.9), H = 2, against the
+    update written out here with MPI's own average: per round t, Δ_r = θ_anchor − θ_local on each rank,
+    Δ̄ = mean_r Δ_r, v ← 0.9·v + Δ̄, θ ← θ − 0.7·(Δ̄ + 0.9·v); with staleness τ, round t's Δ̄ is applied at the
+    end of round t + τ and each rank continues from θ minus its own Δ of the rounds still in flight."""
+    from minipar.comm import Communicator
+    from minipar.models.gpt import GPT, GPTConfig
+    from minipar.optim import SGD
+    from minipar.parallel.local_sgd import LocalSGD
+
+    comm = Communicator()
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=8, dtype="float64"), seed=comm.rank)
+    with pytest.raises(ValueError):
+        LocalSGD(model, comm, sync_every=0)
+    averager = LocalSGD(model, comm, sync_every=2, staleness=staleness)  # broadcasts rank 0's parameters
+    opt = SGD(model.parameters(), lr=0.05)
+    flat = lambda: np.concatenate([q.data.ravel() for q in model.parameters()])  # noqa: E731
+    theta, anchor, velocity, in_flight = flat(), flat(), np.zeros_like(flat()), []
+    rng = np.random.default_rng(comm.rank)
+    for step in range(10):
+        x = rng.integers(0, 32, (2, 8))
+        model(x, x)[1].backward()
+        opt.step()
+        opt.zero_grad()
+        local = flat()
+        if averager.step():
+            own = anchor - local
+            mean = np.empty_like(own)
+            comm.mpi.Allreduce(own, mean)
+            in_flight.append((mean / comm.size, own))
+            if len(in_flight) > staleness:
+                applied, _ = in_flight.pop(0)
+                velocity = 0.9 * velocity + applied
+                theta = theta - 0.7 * (applied + 0.9 * velocity)
+            anchor = theta - sum((d for _, d in in_flight), np.zeros_like(theta))
+            np.testing.assert_allclose(flat(), anchor, rtol=1e-12, atol=1e-14, err_msg=f"step {step + 1}")
+    assert averager.rounds == 5
+    averager.finish()  # the rounds still in flight, applied in order: every rank ends at θ
+    for applied, _ in in_flight:
+        velocity = 0.9 * velocity + applied
+        theta = theta - 0.7 * (applied + 0.9 * velocity)
+    np.testing.assert_allclose(flat(), theta, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_diloco_follows_its_formula(staleness):
+    run_ranks(3, _diloco_follows_its_formula, staleness, timeout=60)
+
+
 @pytest.mark.parametrize("p", [1, 3])
 def test_local_sgd(p):
     run_ranks(p, _local_sgd_h1_is_data_parallel_sgd, timeout=60)
