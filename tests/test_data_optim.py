@@ -109,9 +109,10 @@ def test_cosine_lr():
 def test_clip_grad_norm():
     a, b = Parameter(np.zeros(2)), Parameter(np.zeros(1))
     a.grad, b.grad = np.array([3.0, 0.0]), np.array([4.0])
-    assert clip_grad_norm([a, b], 1.0) == pytest.approx(5.0)
-    assert math.sqrt((a.grad**2).sum() + (b.grad**2).sum()) == pytest.approx(1.0, rel=1e-5)
-    assert clip_grad_norm([a, b], 10.0) == pytest.approx(1.0, rel=1e-5)  # below the bound: untouched
+    assert clip_grad_norm([a, b], 1.0) == 5.0
+    clipped = 5.0 / (5.0 + 1e-6)  # scaled by max_norm / (norm + 1e-6): the 1e-6 guards a zero norm
+    assert math.sqrt((a.grad**2).sum() + (b.grad**2).sum()) == pytest.approx(clipped, rel=1e-15)
+    assert clip_grad_norm([a, b], 10.0) == pytest.approx(clipped, rel=1e-15)  # below the bound: untouched
     # a sharded gradient: the global sum of squares comes from the other ranks
     a.grad = np.array([3.0, 0.0])
     assert clip_grad_norm([a], 100.0, sum_squares=lambda s: s + 16.0) == pytest.approx(5.0)

@@ -64,7 +64,7 @@ def test_gpt3_175b_on_1024_a100s_megatrons_layout_is_near_the_best():
     """Under 2021's options (no ZeRO, cp or sp; full recomputation, as every run of Narayanan et al. 2021;
     1F1B) and Megatron-LM 2021's code (validation.py: no DP overlap, unfused attention, its fitted GEMM
     share), Megatron's layout — dp8·tp8·pp16, microbatches of one sequence — is predicted at its published
-    138 TFLOP/s per GPU within 10%, and within 5% of the planner's best layout."""
+    138 TFLOP/s per GPU as 142 (docs/planner.md), and within 5% of the planner's best layout."""
     L, H, C, T, V = planner.PRESETS["gpt3-175b"]
     cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C)
     a100 = planner.BUILTIN_PROFILES["a100-80gb"]
@@ -74,7 +74,8 @@ def test_gpt3_175b_on_1024_a100s_megatrons_layout_is_near_the_best():
                                       schedules=("1f1b",)) if p.layout.zero == 0]
     megatron = next(p for p in ranked if p.layout == planner.Layout(8, 8, 16, 0, 192, "1f1b", True))
     assert ranked[0].feasible and megatron.feasible and megatron.step_time <= 1.05 * ranked[0].step_time
-    assert planner.megatron_flops(cfg, 1536) / megatron.step_time / 1024 / 1e12 == pytest.approx(138, rel=0.10)
+    # docs/planner.md: predicted 142 TFLOP/s per GPU against the 138 published
+    assert round(planner.megatron_flops(cfg, 1536) / megatron.step_time / 1024 / 1e12) == 142
 
 
 def test_profile_round_trip(tmp_path):
