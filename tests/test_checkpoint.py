@@ -154,3 +154,23 @@ def test_latest_points_at_a_complete_step(saved_dp2_tp2):
     assert manifest["layout"] == {"dp": 2, "ep": 1, "cp": 1, "tp": 2, "pp": 1, "zero": 1}
     assert sorted(f["file"] for f in manifest["files"]) == ["pp0-tp0.safetensors", "pp0-tp1.safetensors"]
     assert not [f for f in os.listdir(root / "step_000010") if ".tmp-" in f]
+
+
+def test_step_directories_are_found_by_number(tmp_path):
+    """Newest first by step number, past six digits too; nothing else in the directory is mistaken for a step."""
+    from minipar.checkpoint import step_dirs
+
+    for name in ("step_000009", "step_099999", "step_100000", "step_1000000", "step_notes", "backup_000123", "latest"):
+        os.makedirs(tmp_path / name)
+    assert [os.path.basename(d) for d in step_dirs(str(tmp_path))] == ["step_1000000", "step_100000", "step_099999",
+                                                                      "step_000009"]
+
+
+def test_one_process_saves_a_complete_checkpoint_and_resumes_it_bit_for_bit(tmp_path):
+    """One rank writes every shard, the manifest and `latest` itself; 4 steps equal 2 + 2 resumed, to the bit."""
+    whole = train(1, ["--steps", "4"])
+    train(1, ["--steps", "2", "--save", str(tmp_path / "ckpt")])
+    assert os.path.isfile(tmp_path / "ckpt" / "step_000002" / "manifest.json")
+    assert open(tmp_path / "ckpt" / "latest").read().strip() == "step_000002"
+    resumed = train(1, ["--steps", "4", "--resume", str(tmp_path / "ckpt")])
+    assert resumed == {3: whole[3], 4: whole[4]}
