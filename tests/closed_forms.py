@@ -19,3 +19,16 @@ def pipeline_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
             raise ValueError("the ZB-H1 closed form holds for m >= p")
         return (p - 1) / (3 * m + p - 1)
     raise ValueError(kind)
+
+
+def all_reduce_bytes(algorithm: str, n: int, p: int, itemsize: int) -> int:
+    """Bytes one rank sends in an all-reduce of n elements over p ranks (Thakur, Rabenseifner & Gropp 2005, §4),
+    for n divisible by p (and p a power of two where the algorithm halves or doubles):
+    ring and Rabenseifner (reduce-scatter + all-gather) 2(p−1)/p·n, recursive doubling log2(p)·n."""
+    if n % p:
+        raise ValueError("these closed forms are for n divisible by p")
+    if algorithm in ("ring", "rabenseifner"):
+        return 2 * (p - 1) * (n // p) * itemsize
+    if algorithm == "recursive_doubling" and p & (p - 1) == 0:
+        return (p.bit_length() - 1) * n * itemsize
+    raise ValueError(f"no closed form here for {algorithm} on p = {p}")

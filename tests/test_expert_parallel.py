@@ -57,7 +57,7 @@ def _layer_across_ranks(n_expert, top_k, factor):
     from minipar.autograd import Tensor
     from minipar.comm import Communicator
     from minipar.models.moe import MoEMLP, route
-    from minipar.parallel.expert_parallel import bytes_per_layer, expert_parallel
+    from minipar.parallel.expert_parallel import expert_parallel
 
     comm = Communicator()
     ep, rank, width = comm.size, comm.rank, 6
@@ -99,7 +99,10 @@ def _layer_across_ranks(n_expert, top_k, factor):
     rows_out = int(loads[rank][owner != rank].sum())
     rows_in = int(sum(loads[s][mine].sum() for s in range(ep) if s != rank))
     assert (parallel.tally["rows_out"], parallel.tally["rows_in"]) == (rows_out, rows_in)
-    expected = bytes_per_layer(rows_out, rows_in, n_expert, ep, width, 8)
+    # the all-to-all volumes: E/ep int64 counts to each other rank; dispatch sends my rows to other ranks' experts
+    # and combine returns the rows I computed for them, both again in backward (DeepSpeed-MoE §4)
+    expected = {"ep_counts": (ep - 1) * (n_expert // ep) * 8, "ep_forward": (rows_out + rows_in) * width * 8,
+                "ep_backward": (rows_in + rows_out) * width * 8}
     assert {k: comm.stats[k].bytes for k in expected} == expected
 
 

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from minipar.comm.collectives import all_gather_bytes_sent, chunk_bounds, reduce_scatter_bytes_sent
+from closed_forms import all_reduce_bytes
 from minipar.testing import assert_same_training, run_command, train_cli
 
 L, B, T = 2, 8, 24
@@ -23,10 +23,9 @@ def single(tmp_path_factory):
     return train_cli(model(), 1, str(tmp_path_factory.mktemp("single") / "out"))
 
 
-def _ring_pair_bytes(n, tp, rank):
-    """A ring all-gather plus a ring reduce-scatter of n elements (float64): one ring all-reduce's bytes."""
-    bounds = chunk_bounds(n, tp)
-    return all_gather_bytes_sent(bounds, 8, rank, "ring") + reduce_scatter_bytes_sent(bounds, 8, rank, "ring")
+def _ring_pair_bytes(n, tp):
+    """A ring all-gather plus a ring reduce-scatter of n elements (float64), (p−1)/p·n each: one ring all-reduce's."""
+    return all_reduce_bytes("ring", n, tp, 8)
 
 
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--tp", "3"], ["--tp", "4"], ["--tp", "2", "--dp", "2"],
@@ -40,8 +39,8 @@ def test_matches_single_process(tmp_path, single, layout):
     activation = B // dp * T * width  # per layer: 2 gathers + 2 reduce-scatters forward, the same backward
     for record in result[0]:
         if flags.get("--pp", 1) == 1:
-            assert record["comm_bytes_by_op"]["sp_forward"] == 2 * L * _ring_pair_bytes(activation, tp, 0)
-            assert record["comm_bytes_by_op"]["sp_backward"] == 2 * L * _ring_pair_bytes(activation, tp, 0)
+            assert record["comm_bytes_by_op"]["sp_forward"] == 2 * L * _ring_pair_bytes(activation, tp)
+            assert record["comm_bytes_by_op"]["sp_backward"] == 2 * L * _ring_pair_bytes(activation, tp)
             assert record["comm_calls_by_op"]["sp_forward"] == record["comm_calls_by_op"]["sp_backward"] == 4 * L
         assert record["activation_bytes"]["layer_norm"] > 0
 

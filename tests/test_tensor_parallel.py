@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
+from closed_forms import all_reduce_bytes
+
 from minipar import Tensor, ops
-from minipar.comm.collectives import all_reduce_bytes_sent
 from minipar.models.gpt import GPT, GPTConfig
 from minipar.parallel.tensor_parallel import merge_state_dicts, shard_state_dict
 from minipar.testing import assert_same_training, run_command, run_ranks, train_cli
@@ -43,11 +44,11 @@ def test_matches_single_process(tmp_path, layout):
         assert (calls["tp_embedding"], calls["tp_head"], calls["tp_cross_entropy"]) == (1, 1, 3)
         dp = 2 if "--dp" in layout else 1
         chosen = record["comm_algorithm_by_op"]  # the cost model's pick on this machine, per operation
-        activation = all_reduce_bytes_sent(B // dp * T * C, 8, tp, 0, chosen["tp_forward"])  # one of B·T·C elements
+        activation = all_reduce_bytes(chosen["tp_forward"], B // dp * T * C, tp, 8)  # one of B·T·C elements
         assert record["comm_bytes_by_op"]["tp_forward"] == 2 * L * activation
         assert record["comm_bytes_by_op"]["tp_backward"] == 2 * L * activation
-        assert record["comm_bytes_by_op"]["tp_cross_entropy"] == 3 * all_reduce_bytes_sent(
-            B // dp * T, 8, tp, 0, chosen["tp_cross_entropy"])
+        assert record["comm_bytes_by_op"]["tp_cross_entropy"] == 3 * all_reduce_bytes(
+            chosen["tp_cross_entropy"], B // dp * T, tp, 8)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
