@@ -4,6 +4,8 @@ Integers must match MPI bitwise; floats within a bound proportional to Σ|xᵢ| 
 epsilon (the two implementations add in different orders). Counted bytes must equal the formulas.
 """
 
+import time
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -213,9 +215,17 @@ def _byte_accounting():
             assert reduce_scatter_bytes_sent(b, 8, r, "recursive_halving") == (p - 1) * n * 8 // p
             assert all_reduce_bytes_sent(n, 8, p, r, "rabenseifner") == 2 * (p - 1) * n * 8 // p
             assert all_gather_bytes_sent(b, 8, r, "bruck") == (p - 1) * n * 8 // p
-    comm.reset_stats()
-    comm.all_reduce(np.ones(4))
-    assert comm.stats["all_reduce"].calls == 1 and comm.stats["all_reduce"].seconds > 0
+    for async_op in (False, True):  # the time recorded is the call's own: positive, within the wall time around it
+        comm.reset_stats()
+        start = time.perf_counter()
+        handle = comm.all_reduce(np.ones(4), async_op=async_op)
+        if async_op:
+            handle.wait()
+        wall = time.perf_counter() - start
+        assert comm.stats["all_reduce"].calls == 1 and 0 < comm.stats["all_reduce"].seconds <= wall
+    for sizes in ([2] * p, [3] * (p + 1)):  # this rank's count must be x.size, one count per rank: refused locally
+        with pytest.raises(ValueError, match="all_gather: sizes"):
+            comm.all_gather(np.ones(3), sizes=sizes)
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 5, 6, 7, 8])
@@ -622,3 +632,11 @@ def _all_to_all_grid():
             comm.all_to_all(np.ones(p + 1))
     with pytest.raises(ValueError, match="summing to x.size"):
         comm.all_to_all_v(np.ones(3), [1] * p if p != 3 else [2] * p)
+
+
+def test_byte_formulas_refuse_an_unknown_algorithm():
+    from minipar.comm.collectives import all_reduce_bytes_sent
+
+    for name in ("bogus", "hierarchical", "ring "):  # hierarchical's bytes are the sum of its phases, not a formula here
+        with pytest.raises(ValueError, match="no byte formula"):
+            all_reduce_bytes_sent(8, 8, 4, 0, name)
