@@ -82,7 +82,7 @@ def export(args: argparse.Namespace) -> None:
 
     loaded = load_checkpoint(args.ckpt)
     GPT(loaded.config).save_hf(args.out, loaded.params)
-    print(f"exported step {loaded.step} ({loaded.layout_name}) to {args.out}/ (config.json + model.safetensors)")
+    print(f"exported step {loaded.step} ({loaded.layout}) to {args.out}/ (config.json + model.safetensors)")
 
 
 def plan_command(args: argparse.Namespace) -> None:
@@ -121,7 +121,7 @@ def plan_command(args: argparse.Namespace) -> None:
         predictions = [p for p in predictions if all(str(getattr(p.layout, k)) == v for k, v in wanted.items())]
         if not predictions:
             raise ValueError(f"no feasible-or-not layout matches {args.layout}")
-    flops = lambda layout: planner.megatron_flops(cfg, args.batch_size, layout.recompute_mode == "full")  # noqa: E731
+    flops = lambda layout: planner.megatron_flops(cfg, args.batch_size, layout.recompute == "full")  # noqa: E731
     experts = f" E={cfg.n_expert} top-{cfg.expert_top_k}" if cfg.n_expert else ""
     print(f"GPT L={L} H={H} C={C} T={T} V={V}{experts} ({cfg.num_parameters() / 1e6:,.1f} M params), "
           f"batch {args.batch_size}, {args.dtype}, {args.world} × {profile.name} ({profile.memory / 1e9:.0f} GB)")

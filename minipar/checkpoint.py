@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from minipar.models.gpt import GPTConfig
+from minipar.parallel.layout import Layout
 from minipar.parallel.tensor_parallel import merge_state_dicts
 from minipar.safetensors_io import atomic_write, decode_safetensors, encode_safetensors
 
@@ -42,21 +43,16 @@ class Checkpoint:
     step: int
     optimizer_step: int
     config: Any
-    layout: dict[str, int]
+    layout: Layout  # the layout it was written under
     params: dict[str, np.ndarray]
     exp_avg: dict[str, np.ndarray]
     exp_avg_sq: dict[str, np.ndarray]
     skipped: list[str] = dataclasses.field(default_factory=list)  # damaged newer checkpoints passed over
 
-    @property
-    def layout_name(self) -> str:
-        lay = self.layout
-        extra = "".join(f"·{axis}{lay[axis]}" for axis in ("ep", "cp") if lay.get(axis, 1) > 1)
-        return f"dp{lay['dp']}{extra}·tp{lay['tp']}·pp{lay['pp']}" + (f" zero-{lay['zero']}" if lay["zero"] else "")
 
 
 def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]] | None, mesh: Any, config: Any,
-                    zero: int, optimizer_step: int) -> str:
+                    layout: Layout, optimizer_step: int) -> str:
     """Write this rank's share of a checkpoint (``state`` is None on ranks that hold duplicates); all ranks call.
 
     ``state`` maps each of STATE_KINDS to this rank's tensors by global parameter name.
@@ -79,7 +75,7 @@ def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]
     if world.rank == 0:
         manifest = {"format": CHECKPOINT_FORMAT, "step": step, "optimizer_step": optimizer_step,
                     "config": dataclasses.asdict(config),
-                    "layout": {"dp": mesh.dp, "ep": mesh.ep, "cp": mesh.cp, "tp": mesh.tp, "pp": mesh.pp, "zero": zero},
+                    "layout": layout.as_dict(),
                     "files": records}
         atomic_write(os.path.join(step_dir, "manifest.json"), [json.dumps(manifest, indent=1).encode()])
         atomic_write(os.path.join(root, "latest"), [f"step_{step:06d}\n".encode()])
@@ -145,7 +141,9 @@ def _load_step(step_dir: str) -> Checkpoint:
             manifest = json.load(f)
         if manifest.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"not a {CHECKPOINT_FORMAT} checkpoint (format {manifest.get('format')!r})")
-        layout, config = manifest["layout"], GPTConfig(**manifest["config"])
+        config = GPTConfig(**manifest["config"])
+        # checkpoints before the Layout record stored only dp, ep, cp, tp, pp and zero: the rest take defaults
+        layout = Layout(**{k: v for k, v in manifest["layout"].items() if k in Layout.__dataclass_fields__})
         step, optimizer_step, entries = int(manifest["step"]), int(manifest["optimizer_step"]), manifest["files"]
     except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{manifest_path}: unreadable ({type(e).__name__}: {e})") from None
@@ -161,16 +159,16 @@ def _load_step(step_dir: str) -> Checkpoint:
         if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
             raise ValueError(f"{file} is corrupted (sha256 differs from {manifest_path})")
         by_position[(entry["pp_rank"], entry["tp_rank"])] = decode_safetensors(blob, file)[0]
-    expected = {(p, t) for p in range(layout["pp"]) for t in range(layout["tp"])}
+    expected = {(p, t) for p in range(layout.pp) for t in range(layout.tp)}
     if set(by_position) != expected:
         raise FileNotFoundError(f"checkpoint {step_dir}: shards for {sorted(expected - set(by_position))} are missing")
     full: dict[str, dict[str, np.ndarray]] = {kind: {} for kind in STATE_KINDS}
     for kind in STATE_KINDS:
         prefix = kind + "/"
-        for stage in range(layout["pp"]):
+        for stage in range(layout.pp):
             slices = [{k[len(prefix):]: v for k, v in by_position[(stage, t)].items() if k.startswith(prefix)}
-                      for t in range(layout["tp"])]
-            full[kind].update(merge_state_dicts(slices, config) if layout["tp"] > 1 else slices[0])
+                      for t in range(layout.tp)]
+            full[kind].update(merge_state_dicts(slices, config) if layout.tp > 1 else slices[0])
     return Checkpoint(step_dir, step, optimizer_step, config, layout, full["param"], full["exp_avg"], full["exp_avg_sq"])
 
 

@@ -38,19 +38,19 @@ from minipar.optim import AdamW, LossScaler, cosine_lr
 from minipar.parallel.compression import COMPRESSIONS, make_compressor
 from minipar.parallel.context_parallel import KINDS as CP_KINDS
 from minipar.parallel.context_parallel import SPLITS as CP_SPLITS
-from minipar.parallel.context_parallel import check_context_parallel, context_parallel, context_slice
+from minipar.parallel.context_parallel import context_parallel, context_slice
 from minipar.parallel.data_parallel import DataParallel
-from minipar.parallel.expert_parallel import (check_expert_parallel, expert_names, expert_parallel,
-                                              expert_report, gather_expert_state, moe_layers,
-                                              shard_expert_state)
+from minipar.parallel.expert_parallel import (expert_names, expert_parallel, expert_report, gather_expert_state,
+                                              moe_layers, shard_expert_state)
 from minipar.parallel.local_sgd import LocalSGD
 from minipar.parallel import planner
+from minipar.parallel.layout import Layout
 from minipar.parallel.mesh import Mesh
-from minipar.parallel.pipeline import Pipeline, stage_blocks, stage_state
-from minipar.parallel.schedules import SCHEDULES, check_schedule
+from minipar.parallel.pipeline import Pipeline, stage_state
+from minipar.parallel.schedules import SCHEDULES
 from minipar.nn import LayerNorm
-from minipar.parallel.tensor_parallel import (SequenceParallelLayerNorm, check_tensor_parallel,
-                                              gather_tensor_parallel_state, shard_state_dict, tensor_parallel)
+from minipar.parallel.tensor_parallel import (SequenceParallelLayerNorm, gather_tensor_parallel_state,
+                                              shard_state_dict, tensor_parallel)
 from minipar.parallel.zero import ZeRO
 
 
@@ -185,13 +185,11 @@ def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
     else:
         choice = None
     choice = json.loads(world.all_gather_bytes(json.dumps(choice).encode(), label="plan")[0])
-    args.dp, args.tp, args.pp, args.zero = choice["dp"], choice["tp"], choice["pp"], choice["zero"]
-    args.microbatches, args.schedule = choice["microbatches"], choice["schedule"]
-    args.cp, args.cp_kind, args.sp, args.cp_split = choice["cp"], choice["cp_kind"], choice["sp"], None
-    args.ep, args.virtual_stages = choice["ep"], choice["virtual_stages"]
-    args.shard_group = choice["shard_group"] or None
-    layout = planner.Layout(**{f.name: choice[f.name] for f in dataclasses.fields(planner.Layout)})
-    args.recompute = layout.recompute_mode
+    layout = Layout(**{f.name: choice[f.name] for f in dataclasses.fields(Layout)})
+    for name in ("dp", "tp", "pp", "zero", "microbatches", "schedule", "recompute", "cp", "cp_kind", "sp", "ep",
+                 "virtual_stages", "cp_split"):  # the layout's degrees and options become the run's arguments
+        setattr(args, name, getattr(layout, name))
+    args.shard_group = layout.shard_group or None
     if world.rank == 0 and not args.json:
         print(f"auto: {layout} of {choice['candidates']} layouts, predicted {choice['step_ms']:.1f} ms/step, "
               f"{choice['memory_gb']:.3f} GB per rank ({profile.name})", flush=True)
@@ -219,52 +217,24 @@ MODEL_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_expert", "expert_
                "aux_loss_coef")
 
 
-def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | None) -> GPTConfig:
-    """Reject bad input before anything is built or communicated (every rank reaches the same verdict).
-    Fills in ``args.dp`` when it was left out: the ranks that tp·pp leave, as Megatron-LM does."""
-    for name in ("steps", "batch_size", "microbatches", "block_size", "tp", "pp", "cp", "ep", "virtual_stages",
-                 "bucket_mb", "eval_batches", "log_interval"):
+def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | None) -> tuple[GPTConfig, Layout]:
+    """Reject bad input before anything is built or communicated (every rank reaches the same verdict): the run's
+    own values here, the parallel layout's rules in :meth:`Layout.validate`. Fills in ``args.dp`` when it was left
+    out: the ranks that tp·pp·cp leave, as Megatron-LM does."""
+    for name in ("steps", "batch_size", "block_size", "bucket_mb", "eval_batches", "log_interval"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     for name in ("lr", "min_lr", "warmup", "grad_clip", "weight_decay", "eval_interval", "save_interval", "keep_last"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
-    others = args.tp * args.pp * args.cp
-    if args.dp is None:
-        if world_size % others:
-            raise ValueError(f"world size {world_size} is not divisible by tp·pp·cp = {args.tp}·{args.pp}·{args.cp}")
-        args.dp = world_size // others
-    if args.dp <= 0:
-        raise ValueError(f"--dp must be positive, got {args.dp}")
-    if args.dp * others != world_size:
-        layout = f"{args.dp}·{args.tp}·{args.pp}" + (f"·{args.cp}" if args.cp > 1 else "")
-        raise ValueError(f"world size {world_size} != dp·tp·pp{'·cp' if args.cp > 1 else ''} = {layout}; "
-                         f"launch with mpiexec -n {args.dp * others}")
-    if args.batch_size % (args.dp * args.microbatches):
-        raise ValueError(f"--batch-size {args.batch_size} is not divisible by --dp·--microbatches "
-                         f"= {args.dp}·{args.microbatches}")
-    if args.zero and args.dp * args.cp == 1:
-        raise ValueError("--zero shards over the data- and context-parallel ranks: it needs --dp or --cp >= 2")
-    if args.shard_group is not None:
-        if not args.zero:
-            raise ValueError("--shard-group chooses how ZeRO shards: use it with --zero 1, 2 or 3")
-        if args.shard_group < 1 or (args.dp * args.cp) % args.shard_group:
-            raise ValueError(f"--shard-group {args.shard_group} must divide the {args.dp * args.cp} data-parallel "
-                             "replicas (dp·cp)")
-        if args.ep > 1:
-            raise ValueError("--shard-group with --ep is not supported yet")
-    if args.compression != "none" and args.zero:
-        raise ValueError("--compression plugs into plain data parallelism: use it with --zero 0")
+    layout = Layout.from_args(args, world_size)
+    args.dp, args.cp_split = layout.dp, layout.cp_split
     make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)  # validates the numbers
     if args.local_sgd < 0 or args.staleness < 0:
         raise ValueError("--local-sgd and --staleness must be >= 0")
-    if args.local_sgd and (args.tp > 1 or args.pp > 1 or args.cp > 1 or args.zero or args.compression != "none"
-                           or args.save):
-        raise ValueError("--local-sgd replaces the gradient all-reduce of plain data parallelism: use it with --dp "
-                         "alone (no --tp/--pp/--cp/--zero/--compression/--save)")
-    if args.zero >= 2 and args.pp > 1:
-        raise ValueError("--zero 2/3 reduce-scatter every microbatch's gradients; with --pp use --zero 0 or 1 "
-                         "(as DeepSpeed does)")
+    if args.local_sgd and args.save:
+        raise ValueError("--local-sgd does not checkpoint its outer state (the global parameters, momentum, rounds in "
+                         "flight) yet: drop --save")
     if args.keep_last and not args.save:
         raise ValueError("--keep-last prunes the checkpoints of --save: pass --save DIR too")
     if resumed is not None:
@@ -278,62 +248,24 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
     if args.n_expert < 0 or (args.n_expert and not 1 <= args.expert_top_k <= args.n_expert):
         raise ValueError(f"--expert-top-k {args.expert_top_k} must be between 1 and --n-expert {args.n_expert}"
                          if args.n_expert > 0 else f"--n-expert must be >= 0, got {args.n_expert}")
-    if args.precision != "fp32":
-        if args.dtype != "float32":
-            raise ValueError(f"--precision {args.precision} stores the model in 16 bits with float32 masters: "
-                             f"drop --dtype {args.dtype} (it sets the pure modes)")
-        for flag, on in (("--local-sgd", args.local_sgd), ("--compression", args.compression != "none")):
-            if on:
-                raise ValueError(f"--precision {args.precision} is not supported with {flag} yet")
+    if args.precision != "fp32" and args.dtype != "float32":
+        raise ValueError(f"--precision {args.precision} stores the model in 16 bits with float32 masters: "
+                         f"drop --dtype {args.dtype} (it sets the pure modes)")
     if args.init_from and args.n_expert and resumed is None:
         raise ValueError("--init-from loads a dense Hugging Face GPT-2: it cannot be combined with --n-expert")
     cfg = model_config(args, resumed)
-    check_tensor_parallel(cfg, args.tp, args.sp)
-    check_expert_parallel(cfg, args.ep, args.dp)
-    if cfg.n_expert:
-        check_mixture_of_experts(args)
-    if args.recompute == "selective" and args.cp > 1:
-        raise ValueError("--recompute selective recomputes the standard attention's probabilities; context "
-                         "parallelism's attention keeps its own (use --recompute full or none with --cp)")
-    if args.recompute == "full" and (cfg.n_expert or args.schedule == "zb-h1"):
-        raise ValueError("--recompute full is not supported with " + ("--n-expert (the balancing loss would be lost)"
-                         if cfg.n_expert else "--schedule zb-h1 (the recomputed backward cannot defer weights)"))
-    args.cp_split = args.cp_split or ("zigzag" if args.cp_kind == "ring" else "contiguous")
-    if args.cp > 1:
-        check_context_parallel(cfg, args.cp, args.tp, args.cp_kind, args.cp_split)
-        if args.sp and (cfg.block_size // args.cp) % args.tp:
-            raise ValueError(f"--sp shards each rank's T/cp = {cfg.block_size // args.cp} positions over --tp "
-                             f"{args.tp}: it must be divisible by it")
-    if args.pp > 1 or args.schedule != "1f1b" or args.virtual_stages != 1:
-        if args.pp < 2 and (args.schedule == "interleaved" or args.virtual_stages != 1):
-            raise ValueError(f"--schedule {args.schedule} --virtual-stages {args.virtual_stages} interleaves pipeline "
-                             "stages: it needs --pp >= 2")
-        check_schedule(args.schedule, args.pp, args.microbatches, args.virtual_stages)
-    stage_blocks(cfg.n_layer, args.pp * args.virtual_stages, 0)
-    check_memory(cfg, args, world_size)
-    return cfg
-
-
-def check_mixture_of_experts(args: argparse.Namespace) -> None:
-    """What a mixture-of-experts run cannot be combined with (yet), said before anything starts."""
-    if args.out:
+    if cfg.n_expert and args.out:
         raise ValueError("--out writes Hugging Face GPT-2, which has no mixture-of-experts layout: use --save")
-    for flag, on in (("--pp", args.pp > 1), ("--cp", args.cp > 1), ("--sp", args.sp)):
-        if on:  # pp: the balancing loss sums every stage's layers; cp/sp: routing groups would be sequence pieces
-            raise ValueError(f"{flag} is not supported with --n-expert yet (use --dp/--ep/--tp/--zero)")
-    if args.ep > 1 and (args.local_sgd or args.compression != "none"):
-        raise ValueError("--ep reduces expert gradients over their own replicas: use it without --local-sgd and "
-                         "--compression")
+    layout.validate(cfg, args.batch_size, world_size)
+    check_memory(cfg, args, layout)
+    return cfg, layout
 
 
-def check_memory(cfg: GPTConfig, args: argparse.Namespace, world_size: int) -> None:
+def check_memory(cfg: GPTConfig, args: argparse.Namespace, layout: Layout) -> None:
     """Refuse a run whose estimated peak (the planner's model states + activations per rank, for the ranks on
     this machine) exceeds the memory available here, instead of letting the OOM killer end it mid-step."""
     itemsize = planner.ITEMSIZE[model_dtype(args)]
-    layout = planner.Layout(args.dp, args.tp, args.pp, args.zero, args.microbatches, args.schedule, cp=args.cp,
-                            cp_kind=args.cp_kind, sp=args.sp, ep=args.ep,
-                            virtual_stages=args.virtual_stages, shard_group=args.shard_group or 0,
-                            recompute=args.recompute)
+    world_size = layout.world
     states, activations = planner.memory_per_rank(cfg, args.batch_size, layout, itemsize)
     per_rank = states + activations
     # on the CPU the ranks on this machine share its memory; on GPUs each rank has its own device
@@ -372,7 +304,8 @@ def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoin
                            master=moments[2])
 
 
-def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any, model: GPT, mesh: Mesh) -> str:
+def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any, model: GPT, mesh: Mesh,
+               layout: Layout) -> str:
     """Save parameters and AdamW state in this layout; the first replica of each (pp, tp) slice writes it."""
     names = {id(p): n for n, p in model.named_parameters()}
     params = {**engine.gathered_state_dict(), **optimizer.master_state(names)}  # a 16-bit model's float32 masters
@@ -381,7 +314,7 @@ def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any,
         experts = expert_names(model)
         state = {kind: gather_expert_state(tensors, mesh.ep_comm, experts) for kind, tensors in state.items()}
     state = state if mesh.grad_comm.rank == 0 else None
-    saved = save_checkpoint(args.save, step, state, mesh, model.config, args.zero, optimizer.step_count)
+    saved = save_checkpoint(args.save, step, state, mesh, model.config, layout, optimizer.step_count)
     if mesh.world.rank == 0:
         prune_checkpoints(args.save, args.keep_last)
     return saved
@@ -655,13 +588,13 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     args.recompute = args.recompute or "none"
     resumed = load_checkpoint(args.resume) if args.resume else None
     set_device(args.device)
-    cfg = validate(args, world.size, resumed)
+    cfg, layout = validate(args, world.size, resumed)
     set_kernels(args.kernels)
     block = cfg.block_size
     tokens, batches, val_batches, data_note = load_data(args, block)
     if args.peak_memory:  # after the corpus is loaded, before the model is built: the peak includes the model state
         tracemalloc.start()
-    mesh = Mesh(world, dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, shard_group=args.shard_group)
+    mesh = layout.mesh(world)
     comms = list(dict.fromkeys([world, mesh.dp_comm, mesh.cp_comm, mesh.tp_comm, mesh.pp_comm, mesh.grad_comm,
                                 mesh.ep_comm, mesh.expert_grad_comm, mesh.shard_comm,
                                 *([mesh.shard_replica_comm] if mesh.shard_replica_comm else [])]))
@@ -679,20 +612,14 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     m, lead, first_step = args.microbatches, world.rank == 0, resumed.step if resumed else 0
     progress = Progress(args, lead, first_step)
     norm_bytes = count_layer_norm_bytes(model)
-    layout = "".join(f", {k}={v}" for k, v in (("dp", mesh.dp), ("ep", mesh.ep), ("cp", mesh.cp), ("tp", mesh.tp),
-                                                ("pp", mesh.pp)) if v > 1)
-    layout += (f" {args.cp_kind} {args.cp_split}" if mesh.cp > 1 else "") + (" sp" if args.sp else "")
-    layout += f" {args.schedule}" + (f" v={args.virtual_stages}" if args.virtual_stages > 1 else "") if mesh.pp > 1 else ""
-    layout += f" zero-{args.zero}" if args.zero else ""
-    layout += f" shard-group {args.shard_group}" if args.shard_group else ""
     experts = f" E={cfg.n_expert} top-{cfg.expert_top_k}" if cfg.n_expert else ""
     progress.say(f"minipar: GPT {cfg.num_parameters():,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} "
-                 f"T={block}{experts}), {len(tokens):,} tokens, batch {args.batch_size}×{block}, {args.dtype} on "
-                 f"{args.device}{layout}")
+                 f"T={block}{experts}), {len(tokens):,} tokens, batch {args.batch_size}×{block}, "
+                 f"{args.dtype if args.precision == 'fp32' else args.precision} on {args.device}, {layout}")
     if resumed is not None:
         for skipped in resumed.skipped:
             progress.note(f"skipped damaged checkpoint {skipped}")
-        progress.note(f"resumed from {resumed.path} (step {resumed.step}, saved as {resumed.layout_name})")
+        progress.note(f"resumed from {resumed.path} (step {resumed.step}, saved as {resumed.layout})")
     if data_note:
         progress.note(data_note)
 
@@ -757,7 +684,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                 progress.evaluation(val)
             stop = preemption.requested()
             if args.save and (stop or last or (args.save_interval and (step + 1) % args.save_interval == 0)):
-                saved = checkpoint(args, step + 1, engine, optimizer, model, mesh)
+                saved = checkpoint(args, step + 1, engine, optimizer, model, mesh, layout)
                 progress.say(f"checkpoint {saved}")
                 if last or stop:
                     progress.written.append(f"checkpoint: {saved} (resume with --resume {args.save})")

@@ -82,7 +82,7 @@ def test_export_to_hugging_face_from_a_sharded_layout(saved_dp2_tp2, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "minipar", "export", "--ckpt", str(saved_dp2_tp2 / "c"), "--out", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "step 10 (dp2·tp2·pp1 zero-1)" in proc.stdout
+    assert "step 10 (dp2·tp2·pp1 zero1 m1)" in proc.stdout
     model, ckpt = GPT.from_hf(str(out)), load_checkpoint(str(saved_dp2_tp2 / "c"))
     for name, value in model.state_dict().items():
         np.testing.assert_array_equal(value, ckpt.params[name])
@@ -151,7 +151,9 @@ def test_latest_points_at_a_complete_step(saved_dp2_tp2):
     root = saved_dp2_tp2 / "c"
     assert open(root / "latest").read().strip() == "step_000010"
     manifest = json.load(open(root / "step_000010" / "manifest.json"))
-    assert manifest["layout"] == {"dp": 2, "ep": 1, "cp": 1, "tp": 2, "pp": 1, "zero": 1}
+    from minipar.parallel.layout import Layout
+
+    assert manifest["layout"] == Layout(dp=2, tp=2, zero=1).as_dict()  # the whole layout it was written under
     assert sorted(f["file"] for f in manifest["files"]) == ["pp0-tp0.safetensors", "pp0-tp1.safetensors"]
     assert not [f for f in os.listdir(root / "step_000010") if ".tmp-" in f]
 
@@ -174,3 +176,18 @@ def test_one_process_saves_a_complete_checkpoint_and_resumes_it_bit_for_bit(tmp_
     assert open(tmp_path / "ckpt" / "latest").read().strip() == "step_000002"
     resumed = train(1, ["--steps", "4", "--resume", str(tmp_path / "ckpt")])
     assert resumed == {3: whole[3], 4: whole[4]}
+
+
+def test_a_checkpoint_from_before_the_layout_record_still_loads(tmp_path):
+    """Manifests written before the Layout record stored only dp, ep, cp, tp, pp and zero: such a checkpoint loads,
+    its other layout fields at their defaults, and resumes as a new one does."""
+    from minipar.parallel.layout import Layout
+
+    whole = train(1, ["--steps", "4"])
+    train(1, ["--steps", "2", "--save", str(tmp_path / "ckpt")])
+    manifest_path = tmp_path / "ckpt" / "step_000002" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["layout"] = {"dp": 1, "ep": 1, "cp": 1, "tp": 1, "pp": 1, "zero": 0}  # the old record
+    manifest_path.write_text(json.dumps(manifest))
+    assert load_checkpoint(str(tmp_path / "ckpt")).layout == Layout()
+    assert train(1, ["--steps", "4", "--resume", str(tmp_path / "ckpt")]) == {3: whole[3], 4: whole[4]}

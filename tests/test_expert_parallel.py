@@ -159,14 +159,14 @@ def test_checkpoints_reshard_across_ep(tmp_path, singles):
         records, params = train([*model(0.5), *flags, "--resume", f"{save}/step_000010"], ranks, tmp_path, f"r{ranks}")
         assert [r["step"] for r in records] == list(range(11, 21))
         assert_same_training(([{"loss": r["loss"]} for r in records], params), (expected, reference[1]))
-    assert load_checkpoint(save).layout_name == "dp2·ep2·tp1·pp1"
+    assert str(load_checkpoint(save).layout) == "dp2·tp1·pp1·ep2 zero0 m1"
 
 
 def test_progress_line_reports_drops_and_expert_load():
     command = [sys.executable, "-m", "minipar", "train", *[a for a in model(0.5) if a != "--json"], "--steps", "2",
                "--ep", "2"]
     out = run_command(2, command, timeout=60)
-    assert "| dropped " in out and "expert load " in out and "| ep " in out and "ep=2" in out
+    assert "| dropped " in out and "expert load " in out and "| ep " in out and "dp2·tp1·pp1·ep2 zero0 m1" in out
 
 
 @pytest.mark.parametrize("ranks,args,message", [

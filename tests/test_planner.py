@@ -70,9 +70,9 @@ def test_gpt3_175b_on_1024_a100s_megatrons_layout_is_near_the_best():
     a100 = planner.BUILTIN_PROFILES["a100-80gb"]
     efficiency = validation.fit(a100, validation.PUBLISHED_RUNS)["Megatron-LM 2021"]
     megatron_2021 = dataclasses.replace(a100, **validation.MEGATRON, gemm_efficiency=efficiency)
-    ranked = [p for p in planner.plan(cfg, 1024, 1536, megatron_2021, itemsize=2, recompute=(True,), context=False,
+    ranked = [p for p in planner.plan(cfg, 1024, 1536, megatron_2021, itemsize=2, recompute=("full",), context=False,
                                       schedules=("1f1b",)) if p.layout.zero == 0]
-    megatron = next(p for p in ranked if p.layout == planner.Layout(8, 8, 16, 0, 192, "1f1b", True))
+    megatron = next(p for p in ranked if p.layout == planner.Layout(8, 8, 16, 0, 192, "1f1b", "full"))
     assert ranked[0].feasible and megatron.feasible and megatron.step_time <= 1.05 * ranked[0].step_time
     # docs/planner.md: predicted 142 TFLOP/s per GPU against the 138 published
     assert round(planner.megatron_flops(cfg, 1536) / megatron.step_time / 1024 / 1e12) == 142
@@ -116,9 +116,9 @@ def test_train_auto_picks_a_layout_and_trains_correctly(tmp_path, memory):
     if memory == "tight":
         cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=16)
         ranked = planner.plan(cfg, 4, 8, profile, 8, ("none", "selective", "full"))
-        least = {mode: min(p.memory for p in ranked if p.layout.recompute_mode == mode) for mode in ("none", "full")}
+        least = {mode: min(p.memory for p in ranked if p.layout.recompute == mode) for mode in ("none", "full")}
         profile = dataclasses.replace(profile, memory=(least["none"] + least["full"]) / 2)
-        assert planner.plan(cfg, 4, 8, profile, 8, ("none", "selective", "full"))[0].layout.recompute_mode != "none"
+        assert planner.plan(cfg, 4, 8, profile, 8, ("none", "selective", "full"))[0].layout.recompute != "none"
     profile.save(str(tmp_path / "profile.json"))
     out = run_command(4, [sys.executable, "-m", "minipar", "train", *flags, "--auto", "--profile",
                           str(tmp_path / "profile.json")], timeout=120)
@@ -132,11 +132,11 @@ def test_recomputation_options_follow_the_engine():
     deep = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=64)
     moe = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64, n_expert=4)
     layouts = planner.enumerate_layouts(deep, 8, 16, recompute=True) + planner.enumerate_layouts(moe, 8, 16, recompute=True)
-    modes = {(lay.schedule, lay.cp > 1, lay.recompute_mode) for lay in layouts}
+    modes = {(lay.schedule, lay.cp > 1, lay.recompute) for lay in layouts}
     assert ("1f1b", False, "full") in modes and ("zb-h1", False, "selective") in modes
-    assert not [lay for lay in layouts if lay.recompute_mode == "full" and lay.schedule == "zb-h1"]
-    assert not [lay for lay in layouts if lay.recompute_mode == "selective" and lay.cp > 1]
-    assert {lay.recompute_mode for lay in planner.enumerate_layouts(moe, 8, 16, recompute=True)} == {"none", "selective"}
+    assert not [lay for lay in layouts if lay.recompute == "full" and lay.schedule == "zb-h1"]
+    assert not [lay for lay in layouts if lay.recompute == "selective" and lay.cp > 1]
+    assert {lay.recompute for lay in planner.enumerate_layouts(moe, 8, 16, recompute=True)} == {"none", "selective"}
 
 
 def test_expert_terms_and_layouts():
@@ -198,3 +198,21 @@ def test_model_states_count_what_a_tensor_parallel_rank_holds(tp):
     held = sum(a.size for a in shard_state_dict(GPT(cfg).state_dict(), cfg, tp, 0).values())
     states, _ = planner.memory_per_rank(cfg, 6, planner.Layout(1, tp, 1), itemsize=4)
     assert states == pytest.approx(16 * held)
+
+
+@pytest.mark.parametrize("world", [3, 4, 6, 8])
+def test_every_layout_the_planner_proposes_is_one_train_accepts(world):
+    """The planner searches; Layout decides: every enumerated layout passes Layout.validate, and its flags, parsed by
+    train's own parser, give back the same Layout."""
+    from minipar.__main__ import build_parser
+    from minipar.parallel.layout import Layout
+
+    parser = build_parser()
+    moe = GPTConfig(vocab_size=256, block_size=24, n_layer=4, n_head=6, n_embd=48, n_expert=4)
+    for cfg in (CFG, moe):
+        layouts = planner.enumerate_layouts(cfg, world, 24, recompute=True)
+        assert layouts
+        for layout in layouts:
+            layout.validate(cfg, 24, world)
+            args = parser.parse_args(["train", *layout.flags()])
+            assert Layout.from_args(args, world) == layout, layout

@@ -41,7 +41,7 @@ say(f"2. losses: {[round(r['loss'], 6) for r in records]}")
 if world.rank == 0:
     print(plot.ascii_chart(plot.load_events(os.path.join(work, "t.json")), width=96))
     ckpt = load_checkpoint(os.path.join(work, "ckpt"))
-    print(f"3. checkpoint {ckpt.path}: {ckpt.layout_name}, merged to {len(ckpt.params)} full tensors")
+    print(f"3. checkpoint {ckpt.path}: {ckpt.layout}, merged to {len(ckpt.params)} full tensors")
     cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=16, dtype="float64")
     model = GPT(cfg, seed=0)
     opt = AdamW(model.parameters(), lr=2e-3, weight_decay=0.1)

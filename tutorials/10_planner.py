@@ -29,13 +29,13 @@ gpt3 = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C)
 # ZeRO, cp or sp, full recomputation, 1F1B.
 efficiency = validation.fit(a100, validation.PUBLISHED_RUNS)["Megatron-LM 2021"]
 megatron_2021 = dataclasses.replace(a100, **validation.MEGATRON, gemm_efficiency=efficiency)
-ranked = [p for p in planner.plan(gpt3, 1024, 1536, megatron_2021, itemsize=2, recompute=(True,), context=False,
+ranked = [p for p in planner.plan(gpt3, 1024, 1536, megatron_2021, itemsize=2, recompute=("full",), context=False,
                                   schedules=("1f1b",)) if p.layout.zero == 0]
-flops = lambda layout: planner.megatron_flops(gpt3, 1536, layout.recompute_mode == "full")  # noqa: E731
+flops = lambda layout: planner.megatron_flops(gpt3, 1536, layout.recompute == "full")  # noqa: E731
 print(f"\n2. GPT-3 175B, batch 1536×2048, bf16, 1024 × A100-80GB, as Megatron-LM ran it in 2021: {len(ranked)} "
       f"layouts, {sum(p.feasible for p in ranked)} fit in memory")
 print(planner.format_plan(ranked, 5, flops))
-megatron = next(p for p in ranked if p.layout == planner.Layout(8, 8, 16, 0, 192, "1f1b", True))
+megatron = next(p for p in ranked if p.layout == planner.Layout(8, 8, 16, 0, 192, "1f1b", "full"))
 predicted = flops(megatron.layout) / megatron.step_time / 1024 / 1e12
 assert megatron.step_time <= 1.05 * ranked[0].step_time and abs(predicted - 138) / 138 < 0.10
 print(f"   Megatron's layout (dp8·tp8·pp16, microbatch 1): predicted {predicted:.0f} TFLOP/s/GPU vs 138 measured "

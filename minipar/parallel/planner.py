@@ -64,6 +64,7 @@ from typing import Any
 import numpy as np
 
 from minipar.backend import physical_memory
+from minipar.parallel.layout import RECOMPUTE, Layout
 from minipar.parallel.schedules import bubble_formula, peak_microbatches
 from minipar.safetensors_io import atomic_write
 
@@ -140,47 +141,6 @@ BUILTIN_PROFILES = {
 }
 
 
-def recompute_mode(value: bool | str) -> str:
-    """--recompute's name for a Layout.recompute value (True: "full", False: "none", or the name itself)."""
-    return {True: "full", False: "none"}.get(value, value)  # type: ignore[call-overload]
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp: int
-    tp: int
-    pp: int
-    zero: int = 0
-    microbatches: int = 1
-    schedule: str = "1f1b"
-    recompute: bool | str = False  # "none" | "selective" | "full" (True: full, False: none), as --recompute
-    cp: int = 1
-    cp_kind: str = "ring"
-    sp: bool = False
-    ep: int = 1
-    virtual_stages: int = 1
-    shard_group: int = 0  # hybrid sharding: ZeRO shards within groups of this many replicas (0: all of them)
-
-    @property
-    def recompute_mode(self) -> str:
-        return recompute_mode(self.recompute)
-
-    def flags(self) -> list[str]:
-        return ["--recompute", self.recompute_mode, "--dp", str(self.dp), "--tp", str(self.tp), "--pp", str(self.pp), "--zero", str(self.zero),
-                "--microbatches", str(self.microbatches), "--schedule", self.schedule, "--cp", str(self.cp),
-                "--cp-kind", self.cp_kind, *(["--sp"] if self.sp else []), "--ep", str(self.ep),
-                "--virtual-stages", str(self.virtual_stages), *(["--shard-group", str(self.shard_group)]
-                                                               if self.shard_group else [])]
-
-    def __str__(self) -> str:
-        cp = f"·cp{self.cp} {self.cp_kind}" if self.cp > 1 else ""
-        cp += f"·ep{self.ep}" if self.ep > 1 else ""
-        return (f"dp{self.dp}·tp{self.tp}{' sp' if self.sp else ''}·pp{self.pp}{cp} zero{self.zero} m{self.microbatches}"
-                + (f" {self.schedule}" if self.pp > 1 else "") + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
-                + (f" hsdp{self.shard_group}" if self.shard_group else "")
-                + (f" recompute-{self.recompute_mode}" if self.recompute_mode != "none" else ""))
-
-
 @dataclass
 class Prediction:
     layout: Layout
@@ -208,7 +168,7 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     b = batch_size / (dp * m)
     t = b * T / cp  # tokens per rank and microbatch
     share = profile.contention if profile.cores else 1.0  # CPU: the ranks time-share the cores
-    recompute = layout.recompute_mode
+    recompute = layout.recompute
     passes = 4.0 if recompute == "full" else 3.0  # forward + backward (+ the forward again)
 
     attention_flops = 4 * b * T * T * C / (tp * cp)
@@ -317,12 +277,12 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
     if cfg.n_expert:
         linear += 16 * (cfg.capacity_factor * cfg.expert_top_k - 1 / tp)
     scores = 5 * H * T * T / (cp * s * C * tp) if layout.cp_kind == "ulysses" else 5 * H * s / (C * tp)
-    if layout.recompute_mode == "selective":  # the attention probabilities are not kept (Korthikanti et al.)
+    if layout.recompute == "selective":  # the attention probabilities are not kept (Korthikanti et al.)
         scores = 0.0
     per_layer_act = s * b * C * (linear + scores) * itemsize / 2
     in_flight = 1 if pp == 1 else peak_microbatches(layout.schedule, pp, m, layout.virtual_stages)
     layers = math.ceil(L / pp)
-    if layout.recompute_mode == "full":
+    if layout.recompute == "full":
         activations = layers * t * C * itemsize * in_flight + per_layer_act  # + the one layer being recomputed
     else:
         activations = layers * per_layer_act * in_flight
@@ -340,78 +300,44 @@ def model_state_bytes(psi: float, n: int, zero: int, itemsize: int) -> float:
             2: itemsize * psi + (itemsize + optimizer) * psi / n, 3: (2 * itemsize + optimizer) * psi / n}[zero]
 
 
-def context_options(cfg: Any, cp: int, tp: int) -> list[tuple[str, bool]]:
-    """The (cp kind, sequence parallelism) pairs the engine accepts for cp and tp ranks."""
-    if cp == 1:
-        kinds = ["ring"]  # no context parallelism: the kind is moot
-    else:
-        kinds = (["ring"] if cfg.block_size % (2 * cp) == 0 else []) + (  # zigzag: 2·cp chunks
-            ["ulysses"] if cfg.block_size % cp == 0 and (cfg.n_head // tp) % cp == 0 else [])
-    sp = [False] + ([True] if tp > 1 and (cfg.block_size // cp) % tp == 0 else [])
-    return [(kind, s) for kind in kinds for s in sp]
-
-
-def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool | tuple = False,
+def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool | tuple[str, ...] = False,
                       context: bool = True, schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")) -> list[Layout]:
-    """Every layout the engine accepts: dp·tp·pp·cp = world, tp | n_head and 4C, pp ≤ n_layer, cp splits T
-    (and the heads, for Ulysses), sp with tp ≥ 2, dp·m | batch, ZeRO needs dp·cp ≥ 2 and is 0/1 with pp > 1;
-    microbatches 1, 2, 4, … and B/dp (b = 1); with experts, ep | dp and ep | E, and no pp, cp or sp; with
-    pp ≥ 2 each of ``schedules`` (interleaved: 2 chunks per rank, m a multiple of pp, n_layer ≥ 2·pp); with
-    ``recompute`` (True, or a tuple of Layout.recompute values) the recomputation modes too (not full with
-    experts or ZB-H1, not selective with cp: the engine refuses those).
-    ``context=False`` leaves out context and sequence parallelism."""
+    """Every layout of the search space that :meth:`Layout.validate` accepts. The space: dp·tp·pp·cp = world;
+    microbatches 1, 2, 4, … and B/dp (b = 1); ZeRO 0-3 and, for ZeRO-3, hybrid groups of 2, 4, … ranks;
+    ring and Ulysses, with and without sp; with experts every ep that divides dp; with pp ≥ 2 each of
+    ``schedules`` (interleaved: 2 chunks per rank); ``recompute`` True for every mode, a tuple for those modes,
+    False for none. ``context=False`` leaves out context and sequence parallelism."""
+    modes = recompute if isinstance(recompute, tuple) else RECOMPUTE if recompute else ("none",)
     layouts = []
-    moe = bool(getattr(cfg, "n_expert", 0))
-    for tp in range(1, world + 1):
-        if world % tp or cfg.n_head % tp or (4 * cfg.n_embd) % tp:
-            continue
-        for cp in range(1, world // tp + 1 if context else 2):
-            if (world // tp) % cp:
-                continue
-            for pp in range(1, world // (tp * cp) + 1):
-                if (world // (tp * cp)) % pp or pp > cfg.n_layer or (moe and (pp > 1 or cp > 1)):
-                    continue
+    for tp in divisors(world):
+        for cp in divisors(world // tp) if context else [1]:
+            for pp in divisors(world // (tp * cp)):
                 dp = world // (tp * cp * pp)
                 if batch_size % dp:
                     continue
                 counts = sorted({2**k for k in range(20) if 2**k <= batch_size // dp} | {batch_size // dp})
                 counts = [m for m in counts if (batch_size // dp) % m == 0]
-                experts = [ep for ep in range(1, dp + 1) if dp % ep == 0 and cfg.n_expert % ep == 0] if moe else [1]
-                for kind, sp in context_options(cfg, cp, tp) if context else [("ring", False)]:
+                experts = [ep for ep in divisors(dp)] if cfg.n_expert else [1]
+                kinds = ("ring", "ulysses") if cp > 1 else ("ring",)
+                for kind, sp in itertools.product(kinds, (False, True) if context else (False,)):
                     for zero in range(4):
-                        if (zero and dp * cp == 1) or (zero >= 2 and pp > 1) or (moe and sp):
-                            continue
-                        modes = recompute if isinstance(recompute, tuple) else (False, "selective", True) if recompute \
-                            else (False,)  # False: none, True: full
-                        if cp > 1:  # selective recomputes the standard attention only
-                            modes = tuple(r for r in modes if r != "selective")
-                        if moe:  # a recomputed block cannot re-route its tokens (the engine refuses it)
-                            modes = tuple(r for r in modes if recompute_mode(r) != "full")
                         for m, r, ep in itertools.product(counts, modes, experts):
-                            for schedule, v in pipeline_options(cfg, pp, m, schedules):
-                                if schedule == "zb-h1" and recompute_mode(r) == "full":
-                                    continue  # the nested recomputed backward cannot defer its weights
-                                for k in shard_groups(dp * cp, zero, ep):
-                                    layouts.append(Layout(dp, tp, pp, zero, m, schedule, r, cp, kind, sp, ep, v, k))
+                            for schedule in schedules if pp > 1 else ("1f1b",):
+                                for k in ([0, *(k for k in divisors(dp * cp) if k & (k - 1) == 0 and 1 < k < dp * cp)]
+                                          if zero == 3 else [0]):
+                                    layout = Layout(dp, tp, pp, zero, m, schedule, r, cp, kind, sp, ep,
+                                                    2 if schedule == "interleaved" else 1, k)
+                                    if layout.accepts(cfg, batch_size):
+                                        layouts.append(layout)
     return layouts
 
 
-def shard_groups(replicas: int, zero: int, ep: int) -> list[int]:
-    """0 (shard over all replicas) and, for ZeRO-3 without experts, hybrid groups of 2, 4, … < replicas ranks."""
-    hybrid = [k for k in (2 ** i for i in range(1, 20)) if k < replicas and replicas % k == 0] if zero == 3 and ep == 1 else []
-    return [0, *hybrid]
-
-
-def pipeline_options(cfg: Any, pp: int, m: int, schedules: tuple[str, ...]) -> list[tuple[str, int]]:
-    """(schedule, chunks per rank) pairs the engine runs for pp ranks and m microbatches."""
-    if pp == 1:
-        return [("1f1b", 1)]
-    return [(s, 2 if s == "interleaved" else 1) for s in schedules
-            if s != "interleaved" or (m % pp == 0 and cfg.n_layer >= 2 * pp)]
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def plan(cfg: Any, world: int, batch_size: int, profile: Profile, itemsize: int = 4,
-         recompute: bool | tuple = False, context: bool = True,
+         recompute: bool | tuple[str, ...] = False, context: bool = True,
          schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")) -> list[Prediction]:
     """All layouts, feasible ones first, each group by predicted step time."""
     predictions = [predict(cfg, batch_size, lay, profile, itemsize)

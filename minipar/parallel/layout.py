@@ -1,0 +1,173 @@
+"""Layout: every degree and option of a parallel run in one frozen dataclass — the one place that knows which
+options combine (torchtitan's ``ParallelDims``).
+
+    layout = Layout(dp=2, tp=2, pp=2, zero=1, microbatches=4, schedule="zb-h1")
+    layout.validate(cfg, batch_size=16, world_size=8)   # ValueError: one line naming the flags, or nothing
+    mesh = layout.mesh(world)                           # the (pp, dp, cp, tp) rank grid (mesh.py)
+    str(layout)                                         # "dp2·tp2·pp2 zero1 m4 zb-h1"
+
+``train`` builds one from the command line (:meth:`Layout.from_args`), the planner enumerates candidates and
+keeps those :meth:`validate` accepts, checkpoints store the layout they were written under, and the tests
+take one. A rule of the form "this option needs / excludes that one" is written here and nowhere else; an
+engine's own arithmetic (tp divides the heads, cp the sequence, ep the experts, a schedule its microbatches)
+stays with the engine, in its ``check_*`` function, which :meth:`validate` calls.
+
+Deep dive, with measurements: docs/pipeline.md.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from minipar.comm import Communicator
+from minipar.parallel.context_parallel import check_context_parallel
+from minipar.parallel.expert_parallel import check_expert_parallel
+from minipar.parallel.mesh import Mesh
+from minipar.parallel.pipeline import stage_blocks
+from minipar.parallel.schedules import check_schedule
+from minipar.parallel.tensor_parallel import check_tensor_parallel
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    recompute: str = "none"     # "none" | "selective" | "full", as --recompute
+    cp: int = 1
+    cp_kind: str = "ring"
+    sp: bool = False
+    ep: int = 1
+    virtual_stages: int = 1
+    shard_group: int = 0        # hybrid sharding: ZeRO shards within groups of this many replicas (0: all of them)
+    cp_split: str = ""          # "zigzag" | "contiguous"; "" takes the kind's: zigzag for ring, contiguous for Ulysses
+    precision: str = "fp32"     # "fp32" | "bf16-mixed" | "fp16-mixed"
+    compression: str = "none"
+    local_sgd: int = 0          # H: average the replicas every H steps instead of the gradients every step
+
+    def __post_init__(self) -> None:
+        if not self.cp_split:
+            object.__setattr__(self, "cp_split", "zigzag" if self.cp_kind == "ring" else "contiguous")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, world_size: int) -> Layout:
+        """The layout the command line asks for; ``--dp`` left out takes the ranks that tp·pp·cp leave, as
+        Megatron-LM does."""
+        for name in ("tp", "pp", "cp", "ep", "virtual_stages", "microbatches"):
+            if getattr(args, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        dp, others = args.dp, args.tp * args.pp * args.cp
+        if dp is None:
+            if world_size % others:
+                raise ValueError(f"world size {world_size} is not divisible by tp·pp·cp = {args.tp}·{args.pp}·{args.cp}")
+            dp = world_size // others
+        return cls(dp=dp, tp=args.tp, pp=args.pp, zero=args.zero, microbatches=args.microbatches,
+                   schedule=args.schedule, recompute=args.recompute or "none", cp=args.cp, cp_kind=args.cp_kind,
+                   sp=args.sp, ep=args.ep, virtual_stages=args.virtual_stages, shard_group=args.shard_group or 0,
+                   cp_split=args.cp_split or "", precision=args.precision, compression=args.compression,
+                   local_sgd=args.local_sgd)
+
+    def validate(self, cfg: Any, batch_size: int, world_size: int | None = None) -> None:
+        """Raise ValueError — one line naming the flags involved — if this layout cannot train ``cfg`` on a
+        global batch of ``batch_size`` sequences (over ``world_size`` ranks, when given)."""
+        if self.dp <= 0:
+            raise ValueError(f"--dp must be positive, got {self.dp}")
+        if world_size is not None and self.world != world_size:
+            name = f"{self.dp}·{self.tp}·{self.pp}" + (f"·{self.cp}" if self.cp > 1 else "")
+            raise ValueError(f"world size {world_size} != dp·tp·pp{'·cp' if self.cp > 1 else ''} = {name}; "
+                             f"launch with mpiexec -n {self.world}")
+        if batch_size % (self.dp * self.microbatches):
+            raise ValueError(f"--batch-size {batch_size} is not divisible by --dp·--microbatches "
+                             f"= {self.dp}·{self.microbatches}")
+        replicas = self.dp * self.cp
+        if self.zero and replicas == 1:
+            raise ValueError("--zero shards over the data- and context-parallel ranks: it needs --dp or --cp >= 2")
+        if self.shard_group:
+            if not self.zero:
+                raise ValueError("--shard-group chooses how ZeRO shards: use it with --zero 1, 2 or 3")
+            if self.shard_group < 1 or replicas % self.shard_group:
+                raise ValueError(f"--shard-group {self.shard_group} must divide the {replicas} data-parallel "
+                                 "replicas (dp·cp)")
+            if self.ep > 1:
+                raise ValueError("--shard-group with --ep is not supported yet")
+        if self.compression != "none" and self.zero:
+            raise ValueError("--compression plugs into plain data parallelism: use it with --zero 0")
+        if self.local_sgd and (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.zero or self.compression != "none"):
+            raise ValueError("--local-sgd replaces the gradient all-reduce of plain data parallelism: use it with --dp "
+                             "alone (no --tp/--pp/--cp/--zero/--compression)")
+        if self.zero >= 2 and self.pp > 1:
+            raise ValueError("--zero 2/3 reduce-scatter every microbatch's gradients; with --pp use --zero 0 or 1 "
+                             "(as DeepSpeed does)")
+        if self.precision != "fp32":
+            for flag, on in (("--local-sgd", self.local_sgd), ("--compression", self.compression != "none")):
+                if on:
+                    raise ValueError(f"--precision {self.precision} is not supported with {flag} yet")
+        check_tensor_parallel(cfg, self.tp, self.sp)
+        check_expert_parallel(cfg, self.ep, self.dp)
+        if cfg.n_expert:
+            for flag, on in (("--pp", self.pp > 1), ("--cp", self.cp > 1), ("--sp", self.sp)):
+                if on:  # pp: the balancing loss sums every stage's layers; cp/sp: routing groups would be sequence pieces
+                    raise ValueError(f"{flag} is not supported with --n-expert yet (use --dp/--ep/--tp/--zero)")
+            if self.ep > 1 and (self.local_sgd or self.compression != "none"):
+                raise ValueError("--ep reduces expert gradients over their own replicas: use it without --local-sgd "
+                                 "and --compression")
+        if self.recompute == "selective" and self.cp > 1:
+            raise ValueError("--recompute selective recomputes the standard attention's probabilities; context "
+                             "parallelism's attention keeps its own (use --recompute full or none with --cp)")
+        if self.recompute == "full" and (cfg.n_expert or self.schedule == "zb-h1"):
+            raise ValueError("--recompute full is not supported with " + ("--n-expert (the balancing loss would be "
+                             "lost)" if cfg.n_expert else "--schedule zb-h1 (the recomputed backward cannot defer "
+                                                          "weights)"))
+        if self.cp > 1:
+            check_context_parallel(cfg, self.cp, self.tp, self.cp_kind, self.cp_split)
+            if self.sp and (cfg.block_size // self.cp) % self.tp:
+                raise ValueError(f"--sp shards each rank's T/cp = {cfg.block_size // self.cp} positions over --tp "
+                                 f"{self.tp}: it must be divisible by it")
+        if self.pp > 1 or self.schedule != "1f1b" or self.virtual_stages != 1:
+            if self.pp < 2 and (self.schedule == "interleaved" or self.virtual_stages != 1):
+                raise ValueError(f"--schedule {self.schedule} --virtual-stages {self.virtual_stages} interleaves "
+                                 "pipeline stages: it needs --pp >= 2")
+            check_schedule(self.schedule, self.pp, self.microbatches, self.virtual_stages)
+        stage_blocks(cfg.n_layer, self.pp * self.virtual_stages, 0)
+
+    def accepts(self, cfg: Any, batch_size: int) -> bool:
+        """Whether :meth:`validate` passes (the planner's filter)."""
+        try:
+            self.validate(cfg, batch_size)
+        except ValueError:
+            return False
+        return True
+
+    def mesh(self, world: Communicator) -> Mesh:
+        return Mesh(world, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
+                    shard_group=self.shard_group or None)
+
+    def flags(self) -> list[str]:
+        """The command-line flags of this layout (``train`` rebuilds it from them)."""
+        return ["--recompute", self.recompute, "--dp", str(self.dp), "--tp", str(self.tp), "--pp", str(self.pp),
+                "--zero", str(self.zero), "--microbatches", str(self.microbatches), "--schedule", self.schedule,
+                "--cp", str(self.cp), "--cp-kind", self.cp_kind, *(["--sp"] if self.sp else []), "--ep", str(self.ep),
+                "--virtual-stages", str(self.virtual_stages),
+                *(["--shard-group", str(self.shard_group)] if self.shard_group else [])]
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        cp = f"·cp{self.cp} {self.cp_kind}" if self.cp > 1 else ""
+        cp += f"·ep{self.ep}" if self.ep > 1 else ""
+        return (f"dp{self.dp}·tp{self.tp}{' sp' if self.sp else ''}·pp{self.pp}{cp} zero{self.zero} m{self.microbatches}"
+                + (f" {self.schedule}" if self.pp > 1 else "") + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
+                + (f" hsdp{self.shard_group}" if self.shard_group else "")
+                + (f" recompute-{self.recompute}" if self.recompute != "none" else ""))
