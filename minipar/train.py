@@ -22,6 +22,7 @@ import math
 import os
 import signal
 import sys
+import tempfile
 import time
 import tracemalloc
 from typing import Any
@@ -227,6 +228,14 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
     for name in ("lr", "min_lr", "warmup", "grad_clip", "weight_decay", "eval_interval", "save_interval", "keep_last"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    explicit = getattr(args, "explicit", set())  # the flags written on the command line
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}: the cosine schedule would raise the rate")
+    if args.loss_scale <= 0:
+        raise ValueError(f"--loss-scale must be positive, got {args.loss_scale:g}")
+    if "loss_scale" in explicit and args.precision != "fp16-mixed":
+        raise ValueError("--loss-scale scales fp16 gradients: it needs --precision fp16-mixed")
+    check_output_paths(args)
     layout = Layout.from_args(args, world_size)
     args.dp, args.cp_split = layout.dp, layout.cp_split
     make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)  # validates the numbers
@@ -259,6 +268,29 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
     layout.validate(cfg, args.batch_size, world_size)
     check_memory(cfg, args, layout)
     return cfg, layout
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Every path the run will write — the --out and --save folders, the --trace and --log-file files — is checked
+    before any work, so that a bad path fails in one line at the start instead of losing the run at its end: the
+    nearest folder that exists on the way to it must be a folder this process can create a file in (probed with a
+    temporary file; nothing is left behind). Every rank checks the same paths, so every rank reaches the same
+    verdict."""
+    for flag, path, is_file in (("--out", args.out, False), ("--save", args.save, False), ("--trace", args.trace, True),
+                                ("--log-file", args.log_file, True)):
+        if not path:
+            continue
+        if is_file and os.path.isdir(path):
+            raise ValueError(f"{flag} {path} is a directory: name a file")
+        folder = os.path.dirname(os.path.abspath(path)) if is_file else os.path.abspath(path)
+        while not os.path.exists(folder):
+            folder = os.path.dirname(folder)
+        try:
+            if not os.path.isdir(folder):
+                raise NotADirectoryError(20, "Not a directory")
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: cannot write there ({e.strerror})") from None
 
 
 def check_memory(cfg: GPTConfig, args: argparse.Namespace, layout: Layout) -> None:

@@ -71,6 +71,14 @@ def test_text_progress_line():
     (["train", "--no-such-flag"], "unrecognized arguments"),
     (["train", "--n-lay", "2"], "unrecognized arguments"),  # no abbreviations: flags are matched exactly
     (["generate", "--ckpt", "/no/such/dir"], "no config.json"),
+    (["train", "--min-lr", "0.1"], "--min-lr 0.1 is above --lr 0.002: the cosine schedule would raise the rate"),
+    (["train", "--precision", "fp16-mixed", "--loss-scale=-1"], "--loss-scale must be positive, got -1"),
+    (["train", "--loss-scale", "1024"], "--loss-scale scales fp16 gradients: it needs --precision fp16-mixed"),
+    (["train", "--out", "/etc/passwd/model"], "--out /etc/passwd/model: cannot write there (Not a directory)"),
+    (["train", "--save", "/etc/passwd/ckpt"], "--save /etc/passwd/ckpt: cannot write there (Not a directory)"),
+    (["train", "--trace", "/etc/passwd/t.json"], "--trace /etc/passwd/t.json: cannot write there (Not a directory)"),
+    (["train", "--log-file", "/etc/passwd/run.jsonl"], "--log-file /etc/passwd/run.jsonl: cannot write there"),
+    (["train", "--trace", "/"], "--trace / is a directory: name a file"),
 ])
 def test_bad_input_is_one_clear_error(args, message):
     out = run_cli(*args)
