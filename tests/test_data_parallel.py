@@ -214,3 +214,37 @@ def test_bad_parallel_config_fails_on_every_rank_before_communicating(args, mess
 def test_zero_needs_data_parallel_ranks():
     proc = subprocess.run([sys.executable, "-m", "minipar", "train", "--zero", "2"], capture_output=True, text=True)
     assert proc.returncode != 0 and "--zero shards over the data- and context-parallel ranks: it needs --dp or --cp >= 2" in proc.stderr
+
+
+def _unused_parameters_reduce_as_zeros():
+    """A parameter that got no gradient in this forward (unused) reduces as zeros, beside one that did: the used
+    one's gradient is MPI's average of every rank's, the unused one's is 0 on every rank."""
+    from mpi4py import MPI
+
+    from minipar.autograd import Tensor
+    from minipar.comm import Communicator
+    from minipar.nn import Module, Parameter
+    from minipar.parallel.data_parallel import DataParallel
+
+    class Two(Module):
+        def __init__(self):
+            self.used, self.unused = Parameter(np.ones(3)), Parameter(np.ones(2))
+
+        def forward(self, x):
+            return (self.used * Tensor(x)).sum()
+
+    comm = Communicator()
+    engine = DataParallel(Two(), comm, bucket_mb=1.0)  # one bucket holds both
+    x = np.arange(3.0) * (comm.rank + 1)
+    engine(x).backward()
+    engine.sync_gradients()
+    mean = np.empty(3)
+    comm.mpi.Allreduce(x, mean, op=MPI.SUM)
+    used, unused = engine.module.used.grad, engine.module.unused.grad
+    np.testing.assert_allclose(used, mean / comm.size, rtol=1e-15)
+    assert (unused == 0).all() and unused.shape == (2,)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_unused_parameters_reduce_as_zeros(p):
+    run_ranks(p, _unused_parameters_reduce_as_zeros)

@@ -36,7 +36,7 @@ TARGETS = {
     "collectives": (["minipar/comm/collectives.py"], "tests/test_collectives.py -k 'match_mpi or debug'"),
     "communicator": (["minipar/comm/communicator.py"], "tests/test_collectives.py"),
     "ops": (["minipar/ops.py"], "tests/test_ops.py tests/test_autograd.py"),
-    "data_parallel": (["minipar/parallel/data_parallel.py"], "tests/test_data_parallel.py"),
+    "data_parallel": (["minipar/parallel/data_parallel.py"], "tests/test_data_parallel.py tests/test_expert_parallel.py"),
     "zero": (["minipar/parallel/zero.py"], "tests/test_data_parallel.py tests/test_mixed_precision.py -k 'zero'"),
     "tensor_parallel": (["minipar/parallel/tensor_parallel.py"],
                         "tests/test_tensor_parallel.py tests/test_sequence_parallel.py"),
