@@ -98,8 +98,10 @@ def step_dirs(root: str) -> list[str]:
 def _candidates(path: str) -> tuple[list[str], bool]:
     """(step directories to try in order, whether ``path`` named one step explicitly).
 
-    A ``--save`` root is scanned newest first: a step directory is complete once its manifest exists
-    (it is written after every shard), so ``latest`` is not needed to find the newest one."""
+    A ``--save`` root starts from the step its ``latest`` names — the newest checkpoint this run completed (it is
+    written after the manifest, which is written after every shard) — then the older ones, newest first, in case
+    it is damaged; step directories newer than it are another run's or an interrupted save, never taken. Without
+    ``latest`` (written by hand, or an older minipar) every step directory is a candidate, newest first."""
     name = os.path.basename(os.path.normpath(path))
     if name.startswith("step_") and os.path.isdir(path):
         return [path], True
@@ -108,7 +110,14 @@ def _candidates(path: str) -> tuple[list[str], bool]:
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path}: no such checkpoint directory")
         raise FileNotFoundError(f"{path}: no checkpoint here (expected DIR/step_NNNNNN/manifest.json)")
-    return found, False
+    try:
+        with open(os.path.join(path, "latest"), encoding="utf-8") as f:
+            latest = os.path.join(path, f.read().strip())
+    except OSError:
+        return found, False
+    if latest not in found:
+        return found, False
+    return found[found.index(latest):], False
 
 
 def load_checkpoint(path: str) -> Checkpoint:

@@ -191,3 +191,13 @@ def test_a_checkpoint_from_before_the_layout_record_still_loads(tmp_path):
     manifest_path.write_text(json.dumps(manifest))
     assert load_checkpoint(str(tmp_path / "ckpt")).layout == Layout()
     assert train(1, ["--steps", "4", "--resume", str(tmp_path / "ckpt")]) == {3: whole[3], 4: whole[4]}
+
+
+def test_resume_takes_the_step_latest_names(tmp_path):
+    """A step directory newer than `latest` — another run's, here with another model — is never resumed from."""
+    train(1, ["--steps", "4", "--save", str(tmp_path / "run"), "--save-interval", "2"])
+    train(1, ["--steps", "2", "--n-embd", "32", "--save", str(tmp_path / "other")])
+    shutil.move(str(tmp_path / "other" / "step_000002"), str(tmp_path / "run" / "step_000009"))
+    assert load_checkpoint(str(tmp_path / "run")).path.endswith("step_000004")
+    os.remove(tmp_path / "run" / "latest")  # without it: every step directory, newest first
+    assert load_checkpoint(str(tmp_path / "run")).path.endswith("step_000009")

@@ -37,7 +37,8 @@ TARGETS = {
     "communicator": (["minipar/comm/communicator.py"], "tests/test_collectives.py"),
     "ops": (["minipar/ops.py"], "tests/test_ops.py tests/test_autograd.py"),
     "data_parallel": (["minipar/parallel/data_parallel.py"], "tests/test_data_parallel.py tests/test_expert_parallel.py"),
-    "zero": (["minipar/parallel/zero.py"], "tests/test_data_parallel.py tests/test_mixed_precision.py -k 'zero'"),
+    "zero": (["minipar/parallel/zero.py"], "tests/test_data_parallel.py tests/test_mixed_precision.py::"
+             "test_zero_masters_equal_adamw_bit_for_bit tests/test_mixed_precision.py::test_model_state_is_the_papers_table"),
     "tensor_parallel": (["minipar/parallel/tensor_parallel.py"],
                         "tests/test_tensor_parallel.py tests/test_sequence_parallel.py"),
     "context_parallel": (["minipar/parallel/context_parallel.py"], "tests/test_context_parallel.py"),
