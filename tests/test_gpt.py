@@ -50,9 +50,16 @@ def test_forward_matches_reference():
 
 
 def test_config_counts_the_parameters():
-    for kw in (TINY, dict(TINY, n_layer=3, vocab_size=300)):
+    """The closed form (12C² + 13C per block, 4C² + 8C + E·(8C² + 6C) with E experts) against the arrays built."""
+    for kw in (TINY, dict(TINY, n_layer=3, vocab_size=300), dict(TINY, n_expert=3, expert_top_k=2)):
         cfg = GPTConfig(**kw)
-        assert cfg.num_parameters() == GPT(cfg).num_parameters()
+        assert cfg.num_parameters() == GPT(cfg).num_parameters() == sum(p.size for p in GPT(cfg).parameters())
+
+
+def test_default_vocabulary_holds_every_byte():
+    from minipar.data import ByteTokenizer
+
+    assert GPTConfig().vocab_size == ByteTokenizer.vocab_size == 256
 
 
 def test_parameter_names_are_hugging_face_names():
@@ -150,7 +157,9 @@ def test_safetensors_reads_bf16(tmp_path):
 
 
 @pytest.mark.parametrize("bad,match", [(dict(n_embd=10, n_head=4), "divisible"), (dict(n_layer=0), "positive"),
-                                       (dict(dtype="int8"), "dtype")])
+                                       (dict(dtype="int8"), "dtype"),
+                                       (dict(n_expert=2, capacity_factor=0.0), "capacity_factor must be > 0"),
+                                       (dict(n_expert=2, aux_loss_coef=-0.1), "aux_loss_coef >= 0")])
 def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):
         GPTConfig(**{**TINY, **bad})
@@ -161,3 +170,23 @@ def test_generate_is_seeded_and_respects_block_size():
     a = model.generate(np.array([[1, 2]]), 10, temperature=1.0, top_k=3, seed=4)
     b = model.generate(np.array([[1, 2]]), 10, temperature=1.0, top_k=3, seed=4)
     assert a.shape == (1, 12) and (a == b).all() and a.max() < 11
+
+
+def test_greedy_generation_takes_the_last_positions_argmax():
+    """top_k = 1: each new token is the argmax of the forward's logits at the last position."""
+    model = GPT(GPTConfig(**TINY), seed=0)
+    out = model.generate(np.array([[1, 2, 3]]), 6, top_k=1)
+    for t in range(3, out.shape[1]):
+        logits, _ = model(out[:, :t][:, -8:])
+        assert out[0, t] == int(np.argmax(logits.data[0, -1]))
+
+
+def test_top_k_samples_exactly_the_k_largest():
+    """With a flat temperature, 200 seeds' first tokens cover exactly the k most likely tokens of the last position
+    (a vocabulary of 256: numpy partitions tiny arrays by sorting them, which would hide a wrong partition)."""
+    model = GPT(GPTConfig(**{**TINY, "vocab_size": 256}), seed=0)
+    prompt = np.array([[1, 2, 3]])
+    logits, _ = model(prompt)
+    top3 = set(np.argsort(logits.data[0, -1])[-3:].tolist())
+    drawn = {int(model.generate(prompt, 1, temperature=100.0, top_k=3, seed=s)[0, -1]) for s in range(200)}
+    assert drawn == top3

@@ -46,7 +46,7 @@ TARGETS = {
                  "tests/test_schedules.py tests/test_pipeline.py"),
     "expert_parallel": (["minipar/parallel/expert_parallel.py", "minipar/models/moe.py"],
                         "tests/test_moe.py tests/test_expert_parallel.py"),
-    "recompute": (["minipar/models/gpt.py"], "tests/test_recompute.py tests/test_gpt.py"),
+    "gpt": (["minipar/models/gpt.py"], "tests/test_recompute.py tests/test_gpt.py"),  # recomputation, config, generate
 }
 KEPT = re.compile(r"ReplaceBinaryOperator_\w+_(Add|Sub|Mul|Div)$|ReplaceComparisonOperator|AddNot|NumberReplacer|"
                   r"Replace(True|False|And|Or|Break|Continue)|ZeroIterationForLoop|ExceptionReplacer|"
