@@ -85,7 +85,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
     run.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation steps per optimizer step")
     run.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    run.add_argument("--min-lr", type=float, default=2e-4, help="learning rate at the end of the cosine decay")
+    run.add_argument("--min-lr", type=float, help="learning rate at the end of the cosine decay (default: --lr/10)")
     run.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
     run.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (matrices only)")
     run.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
@@ -225,6 +225,8 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
     for name in ("steps", "batch_size", "block_size", "bucket_mb", "eval_batches", "log_interval"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.min_lr is None:  # a tenth of the peak, whatever the peak (2e-4 for the default 2e-3)
+        args.min_lr = args.lr / 10
     for name in ("lr", "min_lr", "warmup", "grad_clip", "weight_decay", "eval_interval", "save_interval", "keep_last"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")

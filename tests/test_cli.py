@@ -72,6 +72,7 @@ def test_text_progress_line():
     (["train", "--n-lay", "2"], "unrecognized arguments"),  # no abbreviations: flags are matched exactly
     (["generate", "--ckpt", "/no/such/dir"], "no config.json"),
     (["train", "--min-lr", "0.1"], "--min-lr 0.1 is above --lr 0.002: the cosine schedule would raise the rate"),
+    (["train", "--lr", "1e-4", "--min-lr", "2e-4"], "--min-lr 0.0002 is above --lr 0.0001"),
     (["train", "--precision", "fp16-mixed", "--loss-scale=-1"], "--loss-scale must be positive, got -1"),
     (["train", "--loss-scale", "1024"], "--loss-scale scales fp16 gradients: it needs --precision fp16-mixed"),
     (["train", "--out", "/etc/passwd/model"], "--out /etc/passwd/model: cannot write there (Not a directory)"),
