@@ -178,6 +178,7 @@ def test_one_process_saves_a_complete_checkpoint_and_resumes_it_bit_for_bit(tmp_
     assert resumed == {3: whole[3], 4: whole[4]}
 
 
+@pytest.mark.slow  # the fast subset keeps under 3 minutes; the module has faster tests
 def test_a_checkpoint_from_before_the_layout_record_still_loads(tmp_path):
     """Manifests written before the Layout record stored only dp, ep, cp, tp, pp and zero: such a checkpoint loads,
     its other layout fields at their defaults, and resumes as a new one does."""
@@ -193,6 +194,7 @@ def test_a_checkpoint_from_before_the_layout_record_still_loads(tmp_path):
     assert train(1, ["--steps", "4", "--resume", str(tmp_path / "ckpt")]) == {3: whole[3], 4: whole[4]}
 
 
+@pytest.mark.slow  # the fast subset keeps under 3 minutes; the module has faster tests
 def test_resume_takes_the_step_latest_names(tmp_path):
     """A step directory newer than `latest` — another run's, here with another model — is never resumed from."""
     train(1, ["--steps", "4", "--save", str(tmp_path / "run"), "--save-interval", "2"])

@@ -26,6 +26,7 @@ def test_train_json_lines_and_checkpoint(tmp_path, capsys):
     assert capsys.readouterr().out.startswith("def ")
 
 
+@pytest.mark.slow  # the fast subset keeps under 3 minutes; the module has faster tests
 def test_loss_falls_on_default_corpus(capsys):
     args = ["train", "--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "8",
             "--steps", "120", "--lr", "3e-3", "--warmup", "10", "--json", "--eval-interval", "0"]
@@ -154,6 +155,7 @@ def test_dp_is_inferred_from_the_world_size():
     assert record["world"] == 4 and record["comm_formula_bytes"] > 0  # dp = 4 / 2: a data-parallel all-reduce ran
 
 
+@pytest.mark.slow  # the fast subset keeps under 3 minutes; the module has faster tests
 def test_plan_calibrates_when_no_profile_exists_and_auto_saves_its_calibration(tmp_path):
     env = {**os.environ, "HOME": str(tmp_path)}
     plan = subprocess.run([sys.executable, "-m", "minipar", "plan", "--world", "2", "--top", "2"], capture_output=True,

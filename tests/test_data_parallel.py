@@ -59,6 +59,7 @@ def test_gradient_accumulation_matches(tmp_path, reference, zero):
     assert_same_training(result, reference[2])
 
 
+@pytest.mark.slow  # the fast subset keeps under 3 minutes; the module has faster tests
 def test_model_state_memory_drops_with_zero_stage(tmp_path):
     p = 4
     states = {}

@@ -96,6 +96,7 @@ def triton_kernels():
     backend.set_kernels("auto")
 
 
+@pytest.mark.slow  # the fast subset keeps under 3 minutes; the module has faster tests
 def test_gpt_step_through_the_kernels_matches_the_reference(triton_kernels):
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, dtype="float32")
     idx, targets = rng.integers(0, 64, (2, 16)), rng.integers(0, 64, (2, 16))

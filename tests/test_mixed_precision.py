@@ -167,6 +167,7 @@ def test_float32_gradient_reduction_sends_float32_and_trains_alike(fp64, zero):
         np.testing.assert_allclose([r["loss"] for r in records], fp64[:3], rtol=UNIT_ROUNDOFF["bf16-mixed"], atol=0)
 
 
+@pytest.mark.slow  # the fast subset keeps under 3 minutes; the module has faster tests
 def test_expert_parallel_trains_under_mixed_precision():
     """Within one bf16 unit roundoff of the float64 run (the router's top-k choices agree at these sizes)."""
     moe = [*TINY, *CONSTANT_LR, "--steps", "6", "--n-expert", "4", "--dp", "2", "--ep", "2"]

@@ -38,6 +38,7 @@ def test_every_published_run_is_predicted_as_the_readme_says():
     assert A100.gemm_efficiency == pytest.approx(efficiency["Megatron-LM 2022"], abs=0.005)  # the profile's constant
 
 
+@pytest.mark.slow  # the fast subset keeps under 3 minutes; the module has faster tests
 def test_leave_one_out_errors_are_the_readmes():
     held_out = np.abs(validation.leave_one_out(A100))
     assert (percent(held_out.max()), percent(held_out.mean())) == (8.1, 2.5), held_out
@@ -56,6 +57,7 @@ def test_full_recomputation_costs_what_korthikanti_et_al_measured():
         assert full_s / selective_s == pytest.approx(full.iteration_s / selective.iteration_s, abs=0.05)
 
 
+@pytest.mark.slow  # the fast subset keeps under 3 minutes; the module has faster tests
 def test_plan_validate_prints_every_run_and_the_summary():
     out = subprocess.run([sys.executable, "-m", "minipar", "plan", "--validate"], capture_output=True, text=True,
                          timeout=120)
