@@ -299,11 +299,10 @@ def check_memory(cfg: GPTConfig, args: argparse.Namespace, layout: Layout) -> No
     """Refuse a run whose estimated peak (the planner's model states + activations per rank, for the ranks on
     this machine) exceeds the memory available here, instead of letting the OOM killer end it mid-step."""
     itemsize = planner.ITEMSIZE[model_dtype(args)]
-    world_size = layout.world
     states, activations = planner.memory_per_rank(cfg, args.batch_size, layout, itemsize)
     per_rank = states + activations
     # on the CPU the ranks on this machine share its memory; on GPUs each rank has its own device
-    ranks_here = int(os.environ.get("MPI_LOCALNRANKS", world_size)) if args.device == "cpu" else 1
+    ranks_here = int(os.environ.get("MPI_LOCALNRANKS", layout.world)) if args.device == "cpu" else 1
     available = memory_available()
     if per_rank * ranks_here > available:
         raise ValueError(f"this run needs about {per_rank / 1e9:.1f} GB per rank ({per_rank * ranks_here / 1e9:.1f} GB "

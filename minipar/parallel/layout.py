@@ -154,12 +154,13 @@ class Layout:
                     shard_group=self.shard_group or None)
 
     def flags(self) -> list[str]:
-        """The command-line flags of this layout (``train`` rebuilds it from them)."""
+        """The command-line flags of every field (``train`` rebuilds this layout from them)."""
         return ["--recompute", self.recompute, "--dp", str(self.dp), "--tp", str(self.tp), "--pp", str(self.pp),
                 "--zero", str(self.zero), "--microbatches", str(self.microbatches), "--schedule", self.schedule,
-                "--cp", str(self.cp), "--cp-kind", self.cp_kind, *(["--sp"] if self.sp else []), "--ep", str(self.ep),
-                "--virtual-stages", str(self.virtual_stages),
-                *(["--shard-group", str(self.shard_group)] if self.shard_group else [])]
+                "--cp", str(self.cp), "--cp-kind", self.cp_kind, "--cp-split", self.cp_split,
+                *(["--sp"] if self.sp else []), "--ep", str(self.ep), "--virtual-stages", str(self.virtual_stages),
+                *(["--shard-group", str(self.shard_group)] if self.shard_group else []),
+                "--precision", self.precision, "--compression", self.compression, "--local-sgd", str(self.local_sgd)]
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
