@@ -135,7 +135,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--sp", action="store_true",
                      help="sequence parallelism (Megatron-SP): layer norms and residuals on T/tp shards (with --tp)")
     par.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
-                     help="pipeline schedule (with --pp); interleaved needs --virtual-stages, zb-h1 splits backward")
+                     help="pipeline schedule (with --pp); interleaved needs --virtual-stages, zb-h1 splits backward, "
+                          "dualpipev folds the stages into a V (2 per rank, >= 2·pp microbatches)")
     par.add_argument("--virtual-stages", type=int, default=1, metavar="V",
                      help="model chunks per pipeline rank (--schedule interleaved): rank r holds chunks r, r+pp, …")
     par.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (with --dp)")
@@ -632,7 +633,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                                 mesh.ep_comm, mesh.expert_grad_comm, mesh.shard_comm,
                                 *([mesh.shard_replica_comm] if mesh.shard_replica_comm else [])]))
     model = build_model(args, cfg, mesh, resumed)
-    pipeline = Pipeline(model, mesh.pp_comm, args.schedule, args.virtual_stages)
+    pipeline = Pipeline(model, mesh.pp_comm, layout.pipeline_schedule())
     engine, optimizer = build_engine(model, mesh, args)
     local_sgd = LocalSGD(model, mesh.dp_comm, args.local_sgd, args.outer_lr, args.outer_momentum,
                          staleness=args.staleness) if args.local_sgd else None
@@ -673,7 +674,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             for layer in moe_layers(model):
                 layer.reset_tally()
             x, y = (context_slice(shard_rows(a, mesh.dp_rank, mesh.dp), mesh.cp_comm, args.cp_split) for a in batches(step))
-            losses = pipeline.run(engine, x, y, m, loss_scale=scaler.scale if scaler else 1.0)
+            losses = pipeline.run(engine, x, y, loss_scale=scaler.scale if scaler else 1.0)
             with trace.span("sync gradients", "comm"):
                 engine.sync_gradients()
             with trace.span("optimizer", "optimizer"):

@@ -9,6 +9,7 @@ def pipeline_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
     Interleaved 1F1B (Narayanan et al. 2021, §2.2.2): the bubble shrinks by v: (p−1)/(v·m+p−1).
     ZB-H1 (Qi et al. 2024, §3, F = B = W and m ≥ p): 1F1B's p−1 idle passes of 3 units become p−1 units,
     over 3m units of work: (p−1)/(3m+p−1).
+    DualPipeV (DeepSeek-V3 technical report, 2024, Table 2): (PP/2 − 1)(F&B + B − 3W) idle on PP/2 ranks.
     """
     if kind in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
@@ -18,6 +19,11 @@ def pipeline_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
         if m < p:
             raise ValueError("the ZB-H1 closed form holds for m >= p")
         return (p - 1) / (3 * m + p - 1)
+    if kind == "dualpipev":  # DeepSeek-V3 (2024) §3.2.1, Table 2: idle (PP/2 − 1)(F&B + B − 3W) over PP/2 = p ranks
+        chunk = 0.5               # two chunks per rank: a chunk's F = B = W is half a stage's unit
+        overlapped = 3 * chunk    # F&B: a chunk's forward and whole backward, here not overlapped (F + B + W)
+        idle = (p - 1) * (overlapped + chunk - 3 * chunk)
+        return idle / (3 * m + idle)  # a rank's work per step: m microbatches × 2 chunks × (F + B + W)
     raise ValueError(kind)
 
 

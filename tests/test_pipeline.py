@@ -1,4 +1,4 @@
-"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-H1) and the full dp·tp·pp mesh reproduce
+"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, ZB-H1, DualPipeV) and the full dp·tp·pp mesh reproduce
 single-process training; each schedule's bubble and activation footprint in the engine are the
 simulator's and the formulas'; split backward (B, then W) gives the gradients of one backward."""
 import sys
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from closed_forms import pipeline_bubble
-from minipar.parallel.schedules import schedule, simulate
+from minipar.parallel.schedules import build
 from minipar.testing import assert_same_training, run_command, run_ranks, train_cli
 
 MODEL = ["--n-layer", "4", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
@@ -43,18 +43,23 @@ def reference8(tmp_path_factory):
 NEW_SCHEDULES = [("interleaved", 2, 2, 4, []), ("interleaved", 2, 2, 8, []), ("interleaved", 4, 2, 4, []),
                  ("interleaved", 4, 2, 8, []), ("zb-h1", 2, 1, 4, []), ("zb-h1", 4, 1, 4, []), ("zb-h1", 2, 1, 2, []), ("zb-h1", 3, 1, 4, []),
                  ("interleaved", 2, 2, 4, ["--dp", "2"]), ("zb-h1", 2, 1, 4, ["--dp", "2", "--zero", "1"]),
-                 ("interleaved", 2, 2, 2, ["--dp", "2", "--tp", "2"]), ("zb-h1", 2, 1, 2, ["--dp", "2", "--tp", "2"])]
+                 ("interleaved", 2, 2, 2, ["--dp", "2", "--tp", "2"]), ("zb-h1", 2, 1, 2, ["--dp", "2", "--tp", "2"]),
+                 ("dualpipev", 2, 1, 4, []), ("dualpipev", 3, 1, 8, []), ("dualpipev", 4, 1, 8, []),
+                 ("dualpipev", 2, 1, 4, ["--dp", "2", "--zero", "1"]), ("dualpipev", 2, 1, 4, ["--dp", "2", "--tp", "2"])]
 
 
 @pytest.mark.parametrize("kind,pp,v,m,extra", NEW_SCHEDULES)
-def test_interleaved_and_zero_bubble_match_single_process(tmp_path, reference, reference8, kind, pp, v, m, extra):
-    """The tied embedding spans the first and last rank in every case; L = 8 where pp·v = 8."""
+def test_interleaved_zero_bubble_and_dualpipev_match_single_process(tmp_path, reference, reference8, kind, pp, v, m,
+                                                                    extra):
+    """The tied embedding spans the first and last rank (interleaved, ZB-H1) or is mirrored on rank 0, which holds
+    both ends of DualPipeV's V; L = 8 where there are more than 4 stages (uneven: 6 stages of 8 layers)."""
     ranks = pp * (2 if "--dp" in extra else 1) * (2 if "--tp" in extra else 1)
-    layers = ["--n-layer", "8"] if pp * v > 4 else []
+    schedule = build(kind, pp, m, v)
+    layers = ["--n-layer", "8"] if schedule.n_stages > 4 else []
     result = train_cli([*MODEL, *layers, "--pp", str(pp), "--schedule", kind, "--virtual-stages", str(v),
                         "--microbatches", str(m), *extra], ranks, str(tmp_path / "pp"))
     assert_same_training(result, reference8 if layers else reference)
-    stats, sim = result[0][-1]["pipeline"], simulate(kind, pp, m, v)  # rank 0's
+    stats, sim = result[0][-1]["pipeline"], schedule.simulate()  # rank 0's
     assert stats["bubble"] == pytest.approx(sim.bubble, abs=1e-12)
     if kind != "zb-h1" or m >= pp:
         assert stats["bubble"] == pytest.approx(pipeline_bubble(kind, pp, m, v), abs=1e-12)
@@ -108,8 +113,8 @@ def _peak_activations_per_stage(m):
     peaks = {}
     for kind in ("gpipe", "1f1b"):
         model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=comm.size, n_head=2, n_embd=8), seed=0)
-        pipeline = Pipeline(model, comm, kind)
-        pipeline.run(DataParallel(model, comm.split(color=comm.rank)), x, x, m)
+        pipeline = Pipeline(model, comm, build(kind, comm.size, m))
+        pipeline.run(DataParallel(model, comm.split(color=comm.rank)), x, x)
         peaks[kind] = [int(v) for v in comm.all_gather(np.array([pipeline.stats["peak_microbatches_in_flight"]]))]
         assert pipeline.stats["bubble"] == pytest.approx(pipeline_bubble(kind, comm.size, m), rel=1e-12)
     p = comm.size
@@ -122,19 +127,6 @@ def test_activation_footprint_per_stage(p, m):
     run_ranks(p, _peak_activations_per_stage, m, timeout=120)
 
 
-def test_schedules_are_complete_and_causal():
-    for p in (1, 2, 3, 5):
-        for m in (1, 2, 7):
-            for kind in ("gpipe", "1f1b"):
-                for s in range(p):
-                    ops = [(k, i) for k, i, _ in schedule(kind, p, s, m)]
-                    assert sorted(ops) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
-                    assert all(ops.index(("F", i)) < ops.index(("B", i)) for i in range(m))
-    assert [a[:2] for a in schedule("1f1b", 4, 0, 8)[:5]] == [("F", 0), ("F", 1), ("F", 2), ("F", 3), ("B", 0)]
-    with pytest.raises(ValueError, match="unknown pipeline schedule"):
-        schedule("zigzag", 2, 0, 2)
-
-
 @pytest.mark.parametrize("ranks,args,message", [
     (2, ["--pp", "2", "--n-layer", "1"], "2 pipeline stages (--pp × --virtual-stages) need at least 2 transformer layers"),
     (4, ["--pp", "2", "--dp", "2", "--zero", "2"], "with --pp use --zero 0 or 1"),
@@ -144,6 +136,9 @@ def test_schedules_are_complete_and_causal():
     (2, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "3", "--n-layer", "4", "--microbatches", "2"],
      "6 pipeline stages (--pp × --virtual-stages) need at least 6 transformer layers"),
     (1, ["--schedule", "interleaved", "--virtual-stages", "2"], "it needs --pp >= 2"),
+    (2, ["--pp", "2", "--schedule", "dualpipev", "--microbatches", "2"], "--microbatches 2 < 4"),
+    (2, ["--pp", "2", "--schedule", "dualpipev", "--microbatches", "4", "--n-layer", "3"],
+     "4 pipeline stages (--pp × --virtual-stages) need at least 4 transformer layers"),
 ])
 def test_bad_pipeline_config(ranks, args, message):
     with pytest.raises(AssertionError) as err:

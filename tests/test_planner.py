@@ -160,21 +160,26 @@ def test_expert_terms_and_layouts():
 
 
 def test_pipeline_schedules_as_layout_options():
-    """Interleaved and ZB-H1 are enumerated where the engine runs them, with the simulator's bubble and peaks."""
+    """Interleaved, ZB-H1 and DualPipeV are enumerated where the engine runs them, with their bubbles and peaks."""
     deep = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=64)
     layouts = planner.enumerate_layouts(deep, 4, 16)
     kinds = {(lay.schedule, lay.virtual_stages) for lay in layouts if lay.pp > 1}
-    assert kinds == {("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)}
+    assert kinds == {("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("dualpipev", 1)}
     assert all(lay.microbatches % lay.pp == 0 for lay in layouts if lay.schedule == "interleaved")
+    assert all(lay.microbatches >= 2 * lay.pp for lay in layouts if lay.schedule == "dualpipev")
     profile = planner.BUILTIN_PROFILES["a100-80gb"]
     pred = {s: planner.predict(deep, 16, planner.Layout(1, 1, 4, 0, 8, s, virtual_stages=v), profile)
-            for s, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("gpipe", 1))}
+            for s, v in (("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("gpipe", 1), ("dualpipev", 1))}
     slot = pred["1f1b"].breakdown["compute"] / 8  # compute per microbatch slot (same in all four)
-    assert pred["1f1b"].breakdown["bubble"] > pred["interleaved"].breakdown["bubble"] > pred["zb-h1"].breakdown["bubble"]
-    assert pred["zb-h1"].breakdown["bubble"] == pytest.approx(8 * (slot + pred["zb-h1"].breakdown["pp_comm"] / 8)
-                                                               * 3 / 24, rel=1e-9)  # (p−1)/(3m) of the busy time
+    bubbles = [pred[s].breakdown["bubble"] for s in ("1f1b", "interleaved", "zb-h1", "dualpipev")]
+    assert bubbles == sorted(bubbles, reverse=True) and len(set(bubbles)) == 4
+    for s, idle in (("zb-h1", 3 / 24), ("dualpipev", 3 / 48)):  # (p−1)/(3m), (p−1)/(6m) of the busy time
+        assert pred[s].breakdown["bubble"] == pytest.approx(8 * (slot + pred[s].breakdown["pp_comm"] / 8) * idle,
+                                                            rel=1e-9)
     acts = {s: p.breakdown["activations"] for s, p in pred.items()}
-    assert acts["gpipe"] > acts["interleaved"] > acts["1f1b"] == acts["zb-h1"]
+    assert acts["gpipe"] > acts["interleaved"] > acts["dualpipev"] > acts["1f1b"] == acts["zb-h1"]
+    per_microbatch = (acts["gpipe"] - acts["1f1b"]) / (8 - 4)  # a stage's activations of one microbatch
+    assert acts["dualpipev"] - acts["1f1b"] == pytest.approx(per_microbatch / 2, rel=1e-12)  # 2p + 1 chunks = p + ½
     assert "zb-h1" in str(planner.Layout(1, 1, 4, 0, 8, "zb-h1")) and "v2" in str(planner.Layout(1, 1, 4, 0, 8, "interleaved", virtual_stages=2))
 
 

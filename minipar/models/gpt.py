@@ -194,8 +194,10 @@ class GPT(Module):
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         return self.transformer.wte(idx) + self.transformer.wpe(self.positions(T))
 
-    def head(self, x: Tensor, targets: Any = None) -> tuple[Tensor, Tensor | None]:
-        wte = self.transformer.wte
+    def head(self, x: Tensor, targets: Any = None, embedding: Any = None) -> tuple[Tensor, Tensor | None]:
+        """Logits and loss from the last block's output; ``embedding`` is the tied table's module (default: the
+        token embedding; a pipeline whose head is not on the embedding's stage passes its mirror)."""
+        wte = embedding or self.transformer.wte
         logits = wte.attend(self.transformer.ln_f(x))
         if targets is None:
             return logits, None

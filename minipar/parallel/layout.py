@@ -9,8 +9,9 @@ options combine (torchtitan's ``ParallelDims``).
 ``train`` builds one from the command line (:meth:`Layout.from_args`), the planner enumerates candidates and
 keeps those :meth:`validate` accepts, checkpoints store the layout they were written under, and the tests
 take one. A rule of the form "this option needs / excludes that one" is written here and nowhere else; an
-engine's own arithmetic (tp divides the heads, cp the sequence, ep the experts, a schedule its microbatches)
-stays with the engine, in its ``check_*`` function, which :meth:`validate` calls.
+engine's own arithmetic (tp divides the heads, cp the sequence, ep the experts) stays with the engine, in its
+``check_*`` function, and a schedule's (its microbatches, its chunks) with its class in schedules.py; :meth:`validate`
+calls them.
 
 Deep dive, with measurements: docs/pipeline.md.
 """
@@ -26,7 +27,8 @@ from minipar.parallel.context_parallel import check_context_parallel
 from minipar.parallel.expert_parallel import check_expert_parallel
 from minipar.parallel.mesh import Mesh
 from minipar.parallel.pipeline import stage_blocks
-from minipar.parallel.schedules import check_schedule
+from minipar.parallel.schedules import Schedule
+from minipar.parallel.schedules import build as build_schedule
 from minipar.parallel.tensor_parallel import check_tensor_parallel
 
 RECOMPUTE = ("none", "selective", "full")
@@ -125,21 +127,21 @@ class Layout:
         if self.recompute == "selective" and self.cp > 1:
             raise ValueError("--recompute selective recomputes the standard attention's probabilities; context "
                              "parallelism's attention keeps its own (use --recompute full or none with --cp)")
-        if self.recompute == "full" and (cfg.n_expert or self.schedule == "zb-h1"):
-            raise ValueError("--recompute full is not supported with " + ("--n-expert (the balancing loss would be "
-                             "lost)" if cfg.n_expert else "--schedule zb-h1 (the recomputed backward cannot defer "
-                                                          "weights)"))
         if self.cp > 1:
             check_context_parallel(cfg, self.cp, self.tp, self.cp_kind, self.cp_split)
             if self.sp and (cfg.block_size // self.cp) % self.tp:
                 raise ValueError(f"--sp shards each rank's T/cp = {cfg.block_size // self.cp} positions over --tp "
                                  f"{self.tp}: it must be divisible by it")
-        if self.pp > 1 or self.schedule != "1f1b" or self.virtual_stages != 1:
-            if self.pp < 2 and (self.schedule == "interleaved" or self.virtual_stages != 1):
-                raise ValueError(f"--schedule {self.schedule} --virtual-stages {self.virtual_stages} interleaves "
-                                 "pipeline stages: it needs --pp >= 2")
-            check_schedule(self.schedule, self.pp, self.microbatches, self.virtual_stages)
-        stage_blocks(cfg.n_layer, self.pp * self.virtual_stages, 0)
+        pipeline = self.pipeline_schedule()  # the schedule's own arithmetic: microbatch groups, the V's 2·pp, …
+        stage_blocks(cfg.n_layer, pipeline.n_stages, 0)
+        if self.recompute == "full" and (cfg.n_expert or pipeline.split_backward):
+            raise ValueError("--recompute full is not supported with " + ("--n-expert (the balancing loss would be "
+                             "lost)" if cfg.n_expert else f"--schedule {self.schedule} (the recomputed backward cannot "
+                                                          "defer weights)"))
+
+    def pipeline_schedule(self) -> Schedule:
+        """The schedule object of ``--schedule`` for these pp ranks, microbatches and virtual stages."""
+        return build_schedule(self.schedule, self.pp, self.microbatches, self.virtual_stages)
 
     def accepts(self, cfg: Any, batch_size: int) -> bool:
         """Whether :meth:`validate` passes (the planner's filter)."""

@@ -3,23 +3,25 @@ is cut into m microbatches that flow through the stages like a pipeline.
 
     stage 0: wte, wpe, blocks[0:k]      stage s: blocks[...]      last stage: blocks[...], ln_f, head + loss
 
-Virtual stages. With v chunks per rank (interleaved 1F1B) the blocks split into p·v stages and rank
-r holds stages r, r + p, r + 2p, … (its chunks 0 … v−1): stage s's output goes to rank (s + 1) mod p,
-so a microbatch visits every rank v times. Without interleaving v = 1 and stage s is rank s.
+Placement. The schedule object (schedules.py) says which virtual stage each of a rank's v chunks is, and so
+where a stage's output goes: Megatron's interleaving puts chunk c of rank r at stage c·p + r (a microbatch
+visits every rank v times; without interleaving v = 1 and stage s is rank s); DualPipeV's V puts rank r's
+two chunks at stages r and 2p − 1 − r, so the last rank hands its first chunk's output to its second
+locally (a mailbox, no message) and rank 0 holds both the embedding and the head.
 
 Forward, stage s receives microbatch i's activations (b, T, C) from stage s − 1 and sends its output
 to s + 1; backward runs the other way with the gradients of those activations. Messages are
 point-to-point (``isend`` so a stage never blocks on its own sends; blocking ``recv``), tagged by
-(microbatch, stage), b·T·C·itemsize bytes per hop: 2·(p·v − 1)·m hops per step.
+(microbatch, stage), b·T·C·itemsize bytes per hop: 2·(p·v − 1)·m hops per step (fewer when hops are local).
 
-Schedules (schedules.py: one generator each, verified by its simulator) give every rank its ordered
-passes (F, B or W; microbatch; chunk):
+The schedule gives every rank its ordered passes (F, B or W; microbatch; chunk):
 
     gpipe        all forwards, then all backwards                 bubble (p−1)/(m+p−1), holds m microbatches
     1f1b         p−r−1 warm-up forwards, then F/B alternate         bubble (p−1)/(m+p−1), holds ≤ p − r
     interleaved  v chunks per rank, microbatches in groups of p    bubble (p−1)/(v·m+p−1)
     zb-h1        B computes input gradients only (autograd's split backward); each W (the weights'
                  gradients, from the activations B kept) fills a wait    bubble (p−1)/(3m+p−1) (F = B = W)
+    dualpipev    the V above, DeepSeek's eight phases, split and whole backwards    bubble (p−1)/(6m+p−1)
 
 ``Pipeline.stats`` measures the bubble on a logical clock — a chunk's forward costs 1/v, its backward
 2/v (B and W 1/v each when split), and each message carries its sender's clock, so a pass starts at
@@ -30,17 +32,19 @@ Data parallelism sees one backward per chunk and step under ``engine.no_sync()``
 B of that chunk, or its last W when split — so its hooks fire once, when a parameter's gradient over
 all microbatches is final, and the reduction of a chunk overlaps the rest of the pipeline.
 
-Tied embeddings. The head of the last stage reuses the first stage's token embedding. The last
-rank keeps a mirror (not a parameter): at the start of each step rank 0 sends it the table, and
-after its last pass the last rank sends the table's gradient back, which rank 0 adds in before the
-final backward of its chunk 0 — so rank 0's ``wte.grad`` is the single-process gradient (embedding +
-head) when data parallelism reduces it.
+Tied embeddings. The head of the last stage reuses the first stage's token embedding. The rank with the
+head keeps a mirror (not a parameter; a copy of the module when that rank holds the embedding too): at the
+start of each step the embedding's rank sends it the table, and when the head's gradients are final the
+head's rank sends the table's gradient back, which the embedding's rank adds in before the final backward
+of its stage 0 — so ``wte.grad`` there is the single-process gradient (embedding + head) when data
+parallelism reduces it, and its hook fires once.
 
 Deep dive, with measurements: docs/pipeline.md.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Any
 
 import numpy as np
@@ -51,7 +55,7 @@ from minipar.backend import to_device, to_host
 from minipar.comm import Communicator
 from minipar.models.gpt import GPT
 from minipar.nn import ModuleList
-from minipar.parallel.schedules import SCHEDULES, bubble_formula, check_schedule, costs, schedule
+from minipar.parallel.schedules import Schedule
 from minipar.safetensors_io import decode_safetensors, encode_safetensors
 
 _TIED_WEIGHTS_TAG, _TIED_GRAD_TAG, _EVAL_TAG = 60000, 60001, 61000
@@ -70,26 +74,31 @@ def stage_blocks(n_layer: int, n_stages: int, stage: int) -> range:
 class Pipeline:
     """This rank's chunks of ``model`` (pruned in place) and the schedule that runs a step's microbatches."""
 
-    def __init__(self, model: GPT, comm: Communicator, kind: str = "1f1b", virtual_stages: int = 1):
-        p, v = comm.size, virtual_stages
-        check_schedule(kind, p, p, v)
-        self.model, self.comm, self.kind, self.v = model, comm, kind, v
-        self.rank, self.n_ranks, self.n_stages = comm.rank, p, p * v
-        self.is_first, self.is_last = self.rank == 0, self.rank == p - 1  # hold stage 0 / the last stage
+    def __init__(self, model: GPT, comm: Communicator, schedule: Schedule):
+        if schedule.p != comm.size:
+            raise ValueError(f"{schedule} is for {schedule.p} pipeline ranks, the group has {comm.size}")
+        self.model, self.comm, self.schedule = model, comm, schedule
+        p, v, self.rank = schedule.p, schedule.v, comm.rank
+        self.n_ranks, self.n_stages = p, schedule.n_stages
+        self.embedding_rank, self.head_rank = schedule.rank_of(0), schedule.rank_of(self.n_stages - 1)
         cfg, t = model.config, model.transformer
-        self.chunks = [[t.h[i] for i in stage_blocks(cfg.n_layer, p * v, c * p + self.rank)] for c in range(v)]
-        numbers = [i for c in range(v) for i in stage_blocks(cfg.n_layer, p * v, c * p + self.rank)]
+        stages = [schedule.stage(self.rank, c) for c in range(v)]
+        self.chunks = [[t.h[i] for i in stage_blocks(cfg.n_layer, self.n_stages, s)] for s in stages]
+        numbers = [i for s in stages for i in stage_blocks(cfg.n_layer, self.n_stages, s)]
         t.h = ModuleList([t.h[i] for i in numbers], numbers=numbers)
-        if not self.is_first:
+        holds_embedding, holds_head = self.rank == self.embedding_rank, self.rank == self.head_rank
+        if not holds_embedding:
             del t.wpe
-        if not self.is_last:
+        if not holds_head:
             del t.ln_f
-        if not (self.is_first or self.is_last):
+        if not (holds_embedding or holds_head):
             del t.wte
-        self.tied = p > 1
-        if self.tied and self.is_last:
-            t.wte.weight = Tensor(t.wte.weight.data)  # a mirror of rank 0's table, refreshed every step
+        self.tied, self.head_embedding = p > 1, None
+        if self.tied and holds_head:  # a mirror of the token embedding (a copy where the rank holds the table too)
+            self.head_embedding = copy.copy(t.wte) if holds_embedding else t.wte
+            self.head_embedding.weight = Tensor(t.wte.weight.data)
         self.weights = {id(q) for q in model.parameters()}  # what a split backward defers to W
+        self.mailbox: dict[int, tuple[Any, float]] = {}  # messages from this rank to itself (DualPipeV's tip)
         self.stats: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------- messages
@@ -98,10 +107,15 @@ class Pipeline:
         return 4 * (microbatch * self.n_stages + stage)
 
     def _send(self, array: Any, dest: int, tag: int, clock: float, label: str) -> list:
+        if dest == self.rank:
+            self.mailbox[tag] = (array, clock)
+            return []
         return [self.comm.isend(array, dest, tag, label=label),
                 self.comm.isend(np.array([clock]), dest, tag + 1, label="pp_clock")]
 
     def _recv(self, shape: tuple, source: int, tag: int, name: str) -> tuple[Any, float]:
+        if source == self.rank:
+            return self.mailbox.pop(tag)
         with trace.span(f"recv {name}", "comm"):
             array = self.comm.recv(np.empty(shape, self._dtype), source, tag)
             clock = self.comm.recv(np.empty(1), source, tag + 1)
@@ -112,53 +126,55 @@ class Pipeline:
         return np.dtype(self.model.config.dtype)
 
     def _exchange_tied_embedding(self) -> None:
-        """Rank 0's current token-embedding table to the last rank's mirror."""
+        """The token-embedding table, as it is now, to the head's mirror."""
         if not self.tied:
             return
-        if self.is_first:
-            self.comm.send(self.model.transformer.wte.weight.data, self.n_ranks - 1, _TIED_WEIGHTS_TAG, label="pp_embedding")
-        elif self.is_last:
-            wte = self.model.transformer.wte
-            table = self.comm.recv(np.empty(wte.weight.shape, self._dtype), 0, _TIED_WEIGHTS_TAG)
-            wte.weight = Tensor(to_device(table), requires_grad=True)
+        if self.rank == self.embedding_rank != self.head_rank:
+            self.comm.send(self.model.transformer.wte.weight.data, self.head_rank, _TIED_WEIGHTS_TAG, label="pp_embedding")
+        elif self.rank == self.head_rank:
+            table = (self.model.transformer.wte.weight.data if self.rank == self.embedding_rank else to_device(
+                self.comm.recv(np.empty(self.head_embedding.weight.shape, self._dtype), self.embedding_rank,
+                               _TIED_WEIGHTS_TAG)))
+            self.head_embedding.weight = Tensor(table, requires_grad=True)
 
     # ------------------------------------------------------------------------------- compute
     def _forward(self, chunk: int, inp: Any, targets: Any) -> Tensor:
-        """Stage chunk·p + rank on ``inp``: token ids on stage 0, else activations; the loss on the last stage."""
-        stage, model = chunk * self.n_ranks + self.rank, self.model
+        """This rank's ``chunk`` on ``inp``: token ids on stage 0, else activations; the loss on the last stage."""
+        stage, model = self.schedule.stage(self.rank, chunk), self.model
         x = model.embed(to_device(inp)) if stage == 0 else inp
         for block in self.chunks[chunk]:
             x = block(x)
-        return model.head(x, to_device(targets))[1] if stage == self.n_stages - 1 else x
+        if stage < self.n_stages - 1:
+            return x
+        return model.head(x, to_device(targets), embedding=self.head_embedding)[1]
 
-    def run(self, engine: Any, x: np.ndarray, y: np.ndarray, m: int, loss_scale: float = 1.0) -> list[Any]:
-        """Forward and backward of m microbatches of (x, y); returns their losses as 0-d xp arrays (on the last rank).
+    def run(self, engine: Any, x: np.ndarray, y: np.ndarray, loss_scale: float = 1.0) -> list[Any]:
+        """Forward and backward of the schedule's m microbatches of (x, y); returns their losses as 0-d xp arrays
+        (on the rank with the last stage).
 
         Each chunk's backward passes but its last run under ``engine.no_sync()`` (module docstring). Backward
         starts from loss·loss_scale/m (float16 loss scaling; the losses returned are unscaled)."""
+        m, schedule = self.schedule.m, self.schedule
         xs, ys = np.split(x, m), np.split(y, m)
         if self.n_ranks == 1:
             return self._run_single_stage(engine, xs, ys, loss_scale)
-        p, last_stage = self.n_ranks, self.n_stages - 1
+        last_stage = self.n_stages - 1
         shape = (len(xs[0]), len(self.model.positions(x.shape[1])), self.model.config.n_embd)
-        prev, nxt = (self.rank - 1) % p, (self.rank + 1) % p
         self._exchange_tied_embedding()
-        order = schedule(self.kind, p, self.rank, m, self.v)
-        split = any(a.kind == "W" for a in order)
+        order, split, cost = schedule.actions(self.rank), schedule.split_backward, schedule.costs()
         final = {}  # chunk -> index of the pass that completes its gradients
         for k, a in enumerate(order):
             if a.kind == ("W" if split else "B"):
                 final[a.chunk] = k
-        cost = costs(self.kind, self.v)
         inputs, outputs, weight_passes, losses, sends = {}, {}, {}, [], []
         clock, peak = 0.0, 0
         for k, (kind, i, chunk) in enumerate(order):
-            stage, name = chunk * p + self.rank, f"{i}" + (f".{chunk}" if self.v > 1 else "")
+            stage, name = schedule.stage(self.rank, chunk), f"{i}" + (f".{chunk}" if schedule.v > 1 else "")
             if kind == "F":
                 if stage == 0:
                     inp = xs[i]
                 else:
-                    data, sent_at = self._recv(shape, prev, self._tag(i, stage), f"act {name}")
+                    data, sent_at = self._recv(shape, schedule.rank_of(stage - 1), self._tag(i, stage), f"act {name}")
                     clock, inp = max(clock, sent_at), Tensor(data, requires_grad=True)
                 with trace.span(f"F{name}", "forward"):
                     out = self._forward(chunk, inp, ys[i])
@@ -168,42 +184,46 @@ class Pipeline:
                 if stage == last_stage:
                     losses.append(out.data)
                 else:
-                    sends += self._send(out.data, nxt, self._tag(i, stage + 1), clock, "pp_activations")
+                    sends += self._send(out.data, schedule.rank_of(stage + 1), self._tag(i, stage + 1), clock,
+                                        "pp_activations")
                 continue
             completes = final[chunk] == k
-            if completes and chunk == 0 and self.tied and self.is_first:  # the head's share of the tied embedding
+            if completes and stage == 0 and self.tied:  # the head's share of the tied embedding
                 wte = self.model.transformer.wte.weight
-                head_grad = to_device(self.comm.recv(np.empty(wte.shape, self._dtype), p - 1, _TIED_GRAD_TAG))
+                head_grad = self._recv(wte.shape, self.head_rank, _TIED_GRAD_TAG, "embedding grad")[0]
                 wte.grad = head_grad if wte.grad is None else wte.grad + head_grad
             with engine.no_sync() if not completes else contextlib.nullcontext():
                 if kind == "W":
                     with trace.span(f"W{name}", "weights"):
                         weight_passes.pop((i, chunk)).run()
                     clock += cost["W"]
-                    continue
-                grad = None
-                if stage < last_stage:
-                    grad, sent_at = self._recv(shape, nxt, self._tag(i, stage) + 2, f"grad {name}")
-                    clock = max(clock, sent_at)
-                with trace.span(f"B{name}", "backward"):
-                    out = outputs.pop((i, chunk))
-                    deferred = (out * (loss_scale / m) if stage == last_stage else out).backward(
-                        None if stage == last_stage else grad, defer=self.weights if split else None)
-                if split:
-                    weight_passes[i, chunk] = deferred
-            clock += cost["B"]
-            inp = inputs.pop((i, chunk))
-            if stage > 0:
-                sends += self._send(inp.grad, prev, self._tag(i, stage - 1) + 2, clock, "pp_gradients")
-        if self.tied and self.is_last:
-            sends.append(self.comm.isend(self.model.transformer.wte.weight.grad, 0, _TIED_GRAD_TAG, label="pp_embedding"))
+                else:
+                    grad = None
+                    if stage < last_stage:
+                        grad, sent_at = self._recv(shape, schedule.rank_of(stage + 1), self._tag(i, stage) + 2,
+                                                   f"grad {name}")
+                        clock = max(clock, sent_at)
+                    with trace.span(f"B{name}", "backward"):
+                        out = outputs.pop((i, chunk))
+                        deferred = (out * (loss_scale / m) if stage == last_stage else out).backward(
+                            None if stage == last_stage else grad, defer=self.weights if split else None)
+                    if split:
+                        weight_passes[i, chunk] = deferred
+                    clock += cost["B"]
+                    inp = inputs.pop((i, chunk))
+                    if stage > 0:
+                        sends += self._send(inp.grad, schedule.rank_of(stage - 1), self._tag(i, stage - 1) + 2, clock,
+                                            "pp_gradients")
+            if completes and stage == last_stage and self.tied:  # the head's gradients are final: its table's too
+                sends += self._send(self.head_embedding.weight.grad, self.embedding_rank, _TIED_GRAD_TAG, clock,
+                                    "pp_embedding")
         with trace.span("wait sends", "comm"):
             for handle in sends:
                 handle.wait()
         makespan = float(self.comm.all_reduce(np.array([clock]), op="max", label="pp_clock")[0])
-        busy = m * self.v * sum(cost[kind] for kind in ("FBW" if split else "FB"))
+        busy = m * schedule.v * sum(cost[kind] for kind in ("FBW" if split else "FB"))
         self.stats = {"peak_microbatches_in_flight": peak, "logical_step_time": makespan,
-                      "bubble": 1.0 - busy / makespan, "bubble_formula": bubble_formula(self.kind, p, m, self.v)}
+                      "bubble": 1.0 - busy / makespan, "bubble_formula": schedule.bubble()}
         return losses
 
     def _run_single_stage(self, engine: Any, xs: list, ys: list, loss_scale: float) -> list[Any]:
@@ -226,16 +246,18 @@ class Pipeline:
                 return engine(x, y)[1].item()
         self._exchange_tied_embedding()
         shape = (len(x), len(self.model.positions(x.shape[1])), self.model.config.n_embd)
-        p, out = self.n_ranks, None
+        schedule, out, sends = self.schedule, None, []
         with no_grad():
-            for chunk in range(self.v):
-                stage = chunk * p + self.rank
-                inp = x if stage == 0 else self._recv(shape, (self.rank - 1) % p, _EVAL_TAG + 2 * stage, "eval")[0]
+            for stage, chunk in sorted((schedule.stage(self.rank, c), c) for c in range(schedule.v)):
+                inp = x if stage == 0 else self._recv(shape, schedule.rank_of(stage - 1), _EVAL_TAG + 2 * stage,
+                                                      "eval")[0]
                 out = self._forward(chunk, inp, y)
                 if stage < self.n_stages - 1:
-                    self.comm.send(out.data, (self.rank + 1) % p, _EVAL_TAG + 2 * (stage + 1), label="pp_activations")
-                    self.comm.send(np.array([0.0]), (self.rank + 1) % p, _EVAL_TAG + 2 * (stage + 1) + 1, label="pp_clock")
-        return out.item() if self.is_last else None
+                    sends += self._send(out.data, schedule.rank_of(stage + 1), _EVAL_TAG + 2 * (stage + 1), 0.0,
+                                        "pp_activations")
+        for handle in sends:
+            handle.wait()
+        return out.item() if self.rank == self.head_rank else None
 
 
 def stage_state(local: dict[str, np.ndarray], comm: Communicator) -> dict[str, np.ndarray]:

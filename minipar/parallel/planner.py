@@ -13,8 +13,9 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
     tensor    4 ring all-reduces of t·C values per layer and microbatch (6 with full recomputation: the
               recomputed forward repeats its two): 2(tp−1)α + 2(tp−1)/tp·nβ each
     pipeline  m microbatch slots of the slowest stage stretched by the schedule's bubble f
-              (schedules.bubble_formula: 1F1B (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1), ZB-H1
-              (p−1)/(3m+p−1)): m·slot/(1 − f); per microbatch and chunk boundary one activation
+              (the schedule object's ``bubble()``: 1F1B (p−1)/(m+p−1), interleaved (p−1)/(v·m+p−1), ZB-H1
+              (p−1)/(3m+p−1), DualPipeV (p−1)/(6m+p−1)): m·slot/(1 − f); per microbatch and chunk boundary
+              (v = 2 for DualPipeV's V) one activation
               forward, one gradient back: 2v(α + t·C·itemsize·β) (÷tp with ``p2p_split``)
     data      ring all-reduce of the rank's Ψ_l = Ψ_stage/tp parameters, 2(dp−1)/dp·Ψ_l·itemsize·β, of
               which ``overlap`` hides behind backward (hybrid sharding over K: the ring within K ranks,
@@ -42,7 +43,8 @@ Memory per device: model states (``model_state_bytes``; mixed precision 16Ψ_l (
 s·b·h·(10 + 24/tp + 5·a·s/(h·tp)) at 2 bytes (Korthikanti et al. 2022; ×itemsize/2), with sequence
 parallelism s·b·h·(34/tp + 5·a·s/(h·tp)), with context parallelism s = T/cp per rank (Ulysses keeps the
 score term of the full T for a/cp heads: 5·a·T²/(cp·h·tp)), for the microbatches a stage holds at once
-(schedules.peak_microbatches: GPipe m, 1F1B and ZB-H1 min(pp, m), interleaved ((pp−1)·2 + (v−1)·pp + 1)/v),
+(the schedule's ``peak_microbatches()``: GPipe m, 1F1B and ZB-H1 min(pp, m), interleaved ((pp−1)·2 + (v−1)·pp + 1)/v,
+DualPipeV (2pp + 1)/2),
 without the 5·a·s/h term under selective recomputation, or just the layer inputs (+ one layer) with full
 recomputation, plus the logits of the last stage.
 A mixture-of-experts MLP holds its 4h-wide intermediates for c·k·s·b rows, whole on every tp rank:
@@ -65,7 +67,6 @@ import numpy as np
 
 from minipar.backend import physical_memory
 from minipar.parallel.layout import RECOMPUTE, Layout
-from minipar.parallel.schedules import bubble_formula, peak_microbatches
 from minipar.safetensors_io import atomic_write
 
 
@@ -131,6 +132,8 @@ class Profile:
 # activations, bias-GELU, head transposes), on every tp rank 22·t·C (two layer norms and two bias-dropout-
 # residual adds); attention scores never reach memory (flash attention) — Megatron-LM before flash attention
 # made 16 passes over b·H·T² (scores, masked softmax, dropout and their gradients; validation.py).
+SEARCHED_SCHEDULES = ("1f1b", "interleaved", "zb-h1", "dualpipev")  # GPipe: 1F1B's bubble, more memory
+
 BUILTIN_PROFILES = {
     "a100-80gb": Profile("a100-80gb", flops=312e12, gemm_efficiency=0.75, bandwidth=0.8 * 2.0e12, op_overhead=8e-6,
                          memory=80e9, devices_per_node=8, intra=Link(8e-6, 1 / 240e9), inter=Link(15e-6, 1 / 23e9),
@@ -189,12 +192,12 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
                                                profile.link(cp, cp * tp)) if cp > 1 else 0.0
     ep_time = math.ceil(L / pp) * expert_time(cfg, layout, t * C * itemsize, profile.link(layout.ep, layout.ep * cp * tp))
     pp_link = profile.link(world, world)
-    v = layout.virtual_stages
+    pipeline = layout.pipeline_schedule()
     pp_bytes = t * C * itemsize / (tp if profile.p2p_split else 1)
-    pp_time = 2 * v * (pp_link.alpha + pp_bytes * pp_link.beta) if pp > 1 else 0.0
+    pp_time = 2 * pipeline.v * (pp_link.alpha + pp_bytes * pp_link.beta) if pp > 1 else 0.0
     stage_compute = (math.ceil(L / pp) * layer_time + head_time) * share
     microbatch = stage_compute + tp_time + cp_time + ep_time + pp_time
-    pipeline_time = m * microbatch / (1 - bubble_formula(layout.schedule, pp, m, v)) if pp > 1 else m * microbatch
+    pipeline_time = m * microbatch / (1 - pipeline.bubble()) if pp > 1 else m * microbatch
 
     replicas = dp * cp  # gradients reduce, and ZeRO shards, over dp×cp (experts: over dp×cp/ep)
     dp_comm = optimizer_words = 0.0
@@ -280,7 +283,7 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
     if layout.recompute == "selective":  # the attention probabilities are not kept (Korthikanti et al.)
         scores = 0.0
     per_layer_act = s * b * C * (linear + scores) * itemsize / 2
-    in_flight = 1 if pp == 1 else peak_microbatches(layout.schedule, pp, m, layout.virtual_stages)
+    in_flight = 1 if pp == 1 else layout.pipeline_schedule().peak_microbatches()
     layers = math.ceil(L / pp)
     if layout.recompute == "full":
         activations = layers * t * C * itemsize * in_flight + per_layer_act  # + the one layer being recomputed
@@ -301,7 +304,7 @@ def model_state_bytes(psi: float, n: int, zero: int, itemsize: int) -> float:
 
 
 def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool | tuple[str, ...] = False,
-                      context: bool = True, schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")) -> list[Layout]:
+                      context: bool = True, schedules: tuple[str, ...] = SEARCHED_SCHEDULES) -> list[Layout]:
     """Every layout of the search space that :meth:`Layout.validate` accepts. The space: dp·tp·pp·cp = world;
     microbatches 1, 2, 4, … and B/dp (b = 1); ZeRO 0-3 and, for ZeRO-3, hybrid groups of 2, 4, … ranks;
     ring and Ulysses, with and without sp; with experts every ep that divides dp; with pp ≥ 2 each of
@@ -338,7 +341,7 @@ def divisors(n: int) -> list[int]:
 
 def plan(cfg: Any, world: int, batch_size: int, profile: Profile, itemsize: int = 4,
          recompute: bool | tuple[str, ...] = False, context: bool = True,
-         schedules: tuple[str, ...] = ("1f1b", "interleaved", "zb-h1")) -> list[Prediction]:
+         schedules: tuple[str, ...] = SEARCHED_SCHEDULES) -> list[Prediction]:
     """All layouts, feasible ones first, each group by predicted step time."""
     predictions = [predict(cfg, batch_size, lay, profile, itemsize)
                    for lay in enumerate_layouts(cfg, world, batch_size, recompute, context, schedules)]
