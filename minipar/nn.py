@@ -27,9 +27,14 @@ class Module:
     _forward_hooks: tuple = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hooked(self.forward, *args, **kwargs)
+
+    def hooked(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` between this module's forward hooks, as a call of the module would run it: a
+        pipeline runs a model's parts (embedding, head) this way, so that ZeRO-3 gathers their parameters."""
         for hook in self._forward_pre_hooks:
             hook(self)
-        out = self.forward(*args, **kwargs)
+        out = fn(*args, **kwargs)
         for hook in self._forward_hooks:
             out = hook(self, out)
         return out

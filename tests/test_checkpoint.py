@@ -65,7 +65,9 @@ def saved_dp2_tp2(tmp_path_factory):
 
 
 @pytest.mark.parametrize("ranks,layout", [(1, []), (4, ["--tp", "4"]), (4, ["--pp", "2", "--dp", "2"]),
-                                          (2, ["--dp", "2", "--zero", "3"])])
+                                          (2, ["--dp", "2", "--zero", "3"]),
+                                          (4, ["--pp", "2", "--dp", "2", "--zero", "3", "--schedule", "zb-h1",
+                                               "--microbatches", "4"])])
 def test_resume_in_another_layout(saved_dp2_tp2, tmp_path, ranks, layout):
     single = train(1, ["--steps", "10", "--out", str(tmp_path / "single")])
     resumed = train(ranks, [*layout, "--steps", "10", "--resume", str(saved_dp2_tp2 / "c" / "step_000005"),

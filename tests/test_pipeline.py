@@ -45,7 +45,14 @@ NEW_SCHEDULES = [("interleaved", 2, 2, 4, []), ("interleaved", 2, 2, 8, []), ("i
                  ("interleaved", 2, 2, 4, ["--dp", "2"]), ("zb-h1", 2, 1, 4, ["--dp", "2", "--zero", "1"]),
                  ("interleaved", 2, 2, 2, ["--dp", "2", "--tp", "2"]), ("zb-h1", 2, 1, 2, ["--dp", "2", "--tp", "2"]),
                  ("dualpipev", 2, 1, 4, []), ("dualpipev", 3, 1, 8, []), ("dualpipev", 4, 1, 8, []),
-                 ("dualpipev", 2, 1, 4, ["--dp", "2", "--zero", "1"]), ("dualpipev", 2, 1, 4, ["--dp", "2", "--tp", "2"])]
+                 ("dualpipev", 2, 1, 4, ["--dp", "2", "--zero", "1"]), ("dualpipev", 2, 1, 4, ["--dp", "2", "--tp", "2"]),
+                 # ZeRO-2/3 under every schedule: reduce-scatter per backward pass, ZeRO-3 gathering each unit
+                 ("1f1b", 2, 1, 2, ["--dp", "2", "--zero", "2"]), ("zb-h1", 2, 1, 4, ["--dp", "2", "--zero", "2"]),
+                 ("interleaved", 2, 2, 4, ["--dp", "2", "--zero", "2"]), ("1f1b", 2, 1, 4, ["--dp", "2", "--zero", "3"]),
+                 ("gpipe", 2, 1, 2, ["--dp", "2", "--zero", "3", "--no-prefetch", "--eval-interval", "10"]),
+                 ("interleaved", 2, 2, 4, ["--dp", "2", "--zero", "3"]), ("zb-h1", 3, 1, 4, ["--dp", "2", "--zero", "3"]),
+                 ("dualpipev", 2, 1, 4, ["--dp", "2", "--zero", "3", "--eval-interval", "10"]),
+                 ("dualpipev", 2, 1, 4, ["--dp", "2", "--zero", "2", "--tp", "2"])]
 
 
 @pytest.mark.parametrize("kind,pp,v,m,extra", NEW_SCHEDULES)
@@ -59,7 +66,12 @@ def test_interleaved_zero_bubble_and_dualpipev_match_single_process(tmp_path, re
     result = train_cli([*MODEL, *layers, "--pp", str(pp), "--schedule", kind, "--virtual-stages", str(v),
                         "--microbatches", str(m), *extra], ranks, str(tmp_path / "pp"))
     assert_same_training(result, reference8 if layers else reference)
-    stats, sim = result[0][-1]["pipeline"], schedule.simulate()  # rank 0's
+    if "--eval-interval" in extra:  # validation through the pipeline (ZeRO-3 gathering the units) = one process's
+        evaluated = train_cli([*MODEL, *layers, "--eval-interval", "10"], 1, str(tmp_path / "single_eval"))[0]
+        val = lambda records: [r["val_loss"] for r in records if "val_loss" in r]  # noqa: E731
+        assert len(val(evaluated)) == 2
+        np.testing.assert_allclose(val(result[0]), val(evaluated), rtol=1e-9)
+    stats, sim = [r for r in result[0] if "pipeline" in r][-1]["pipeline"], schedule.simulate()  # rank 0's
     assert stats["bubble"] == pytest.approx(sim.bubble, abs=1e-12)
     if kind != "zb-h1" or m >= pp:
         assert stats["bubble"] == pytest.approx(pipeline_bubble(kind, pp, m, v), abs=1e-12)
@@ -129,7 +141,6 @@ def test_activation_footprint_per_stage(p, m):
 
 @pytest.mark.parametrize("ranks,args,message", [
     (2, ["--pp", "2", "--n-layer", "1"], "2 pipeline stages (--pp × --virtual-stages) need at least 2 transformer layers"),
-    (4, ["--pp", "2", "--dp", "2", "--zero", "2"], "with --pp use --zero 0 or 1"),
     (2, ["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2", "--microbatches", "3", "--batch-size", "6"],
      "--microbatches 3 must be a multiple of --pp 2"),
     (2, ["--pp", "2", "--virtual-stages", "2"], "--virtual-stages 2 needs --schedule interleaved"),

@@ -21,10 +21,12 @@ def test_enumeration_follows_the_engine_rules():
     for lay in layouts:
         assert lay.dp * lay.tp * lay.pp * lay.cp == 8
         assert CFG.n_head % lay.tp == 0 and lay.pp <= CFG.n_layer and 16 % (lay.dp * lay.microbatches) == 0
-        assert not (lay.zero and lay.dp * lay.cp == 1) and not (lay.zero >= 2 and lay.pp > 1)
+        assert not (lay.zero and lay.dp * lay.cp == 1)
         assert CFG.block_size % (2 * lay.cp if lay.cp_kind == "ring" else lay.cp) == 0 and not (lay.sp and lay.tp == 1)
         assert lay.cp_kind == "ring" or (CFG.n_head // lay.tp) % lay.cp == 0
     assert planner.Layout(8, 1, 1, 3, 1) in layouts and planner.Layout(2, 2, 2, 1, 4) in layouts
+    assert planner.Layout(4, 1, 2, 3, 2, "dualpipev") not in layouts  # m = 2 < 2·pp
+    assert planner.Layout(4, 1, 2, 3, 4, "dualpipev") in layouts and planner.Layout(4, 1, 2, 2, 2, "zb-h1") in layouts
     assert planner.Layout(2, 2, 1, 0, 1, cp=2, cp_kind="ulysses", sp=True) in layouts
     assert planner.Layout(1, 1, 1, 3, 1, cp=8) in layouts and planner.Layout(1, 1, 1, 0, 1, cp=8, cp_kind="ulysses") not in layouts
     assert not [lay for lay in layouts if lay.tp == 8]  # 8 does not divide n_head = 4

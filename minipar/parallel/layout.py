@@ -108,9 +108,6 @@ class Layout:
         if self.local_sgd and (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.zero or self.compression != "none"):
             raise ValueError("--local-sgd replaces the gradient all-reduce of plain data parallelism: use it with --dp "
                              "alone (no --tp/--pp/--cp/--zero/--compression)")
-        if self.zero >= 2 and self.pp > 1:
-            raise ValueError("--zero 2/3 reduce-scatter every microbatch's gradients; with --pp use --zero 0 or 1 "
-                             "(as DeepSpeed does)")
         if self.precision != "fp32":
             for flag, on in (("--local-sgd", self.local_sgd), ("--compression", self.compression != "none")):
                 if on:

@@ -94,6 +94,7 @@ class Pipeline:
         if not (holds_embedding or holds_head):
             del t.wte
         self.tied, self.head_embedding = p > 1, None
+        self.table_shape = tuple(t.wte.weight.shape) if holds_embedding or holds_head else None  # (ZeRO-3 frees it)
         if self.tied and holds_head:  # a mirror of the token embedding (a copy where the rank holds the table too)
             self.head_embedding = copy.copy(t.wte) if holds_embedding else t.wte
             self.head_embedding.weight = Tensor(t.wte.weight.data)
@@ -130,23 +131,27 @@ class Pipeline:
         if not self.tied:
             return
         if self.rank == self.embedding_rank != self.head_rank:
-            self.comm.send(self.model.transformer.wte.weight.data, self.head_rank, _TIED_WEIGHTS_TAG, label="pp_embedding")
+            self.comm.send(self._table(), self.head_rank, _TIED_WEIGHTS_TAG, label="pp_embedding")
         elif self.rank == self.head_rank:
-            table = (self.model.transformer.wte.weight.data if self.rank == self.embedding_rank else to_device(
-                self.comm.recv(np.empty(self.head_embedding.weight.shape, self._dtype), self.embedding_rank,
+            table = (self._table() if self.rank == self.embedding_rank else to_device(
+                self.comm.recv(np.empty(self.table_shape, self._dtype), self.embedding_rank,
                                _TIED_WEIGHTS_TAG)))
             self.head_embedding.weight = Tensor(table, requires_grad=True)
+
+    def _table(self) -> Any:
+        """The token-embedding table as it is now (read between the model's hooks: ZeRO-3 gathers it)."""
+        return self.model.hooked(lambda: self.model.transformer.wte.weight.data.copy())
 
     # ------------------------------------------------------------------------------- compute
     def _forward(self, chunk: int, inp: Any, targets: Any) -> Tensor:
         """This rank's ``chunk`` on ``inp``: token ids on stage 0, else activations; the loss on the last stage."""
         stage, model = self.schedule.stage(self.rank, chunk), self.model
-        x = model.embed(to_device(inp)) if stage == 0 else inp
-        for block in self.chunks[chunk]:
+        x = model.hooked(model.embed, to_device(inp)) if stage == 0 else inp  # hooked: the model's own parameters
+        for block in self.chunks[chunk]:                                        # (ZeRO-3 gathers them around it)
             x = block(x)
         if stage < self.n_stages - 1:
             return x
-        return model.head(x, to_device(targets), embedding=self.head_embedding)[1]
+        return model.hooked(model.head, x, to_device(targets), embedding=self.head_embedding)[1]
 
     def run(self, engine: Any, x: np.ndarray, y: np.ndarray, loss_scale: float = 1.0) -> list[Any]:
         """Forward and backward of the schedule's m microbatches of (x, y); returns their losses as 0-d xp arrays
@@ -190,7 +195,7 @@ class Pipeline:
             completes = final[chunk] == k
             if completes and stage == 0 and self.tied:  # the head's share of the tied embedding
                 wte = self.model.transformer.wte.weight
-                head_grad = self._recv(wte.shape, self.head_rank, _TIED_GRAD_TAG, "embedding grad")[0]
+                head_grad = self._recv(self.table_shape, self.head_rank, _TIED_GRAD_TAG, "embedding grad")[0]
                 wte.grad = head_grad if wte.grad is None else wte.grad + head_grad
             with engine.no_sync() if not completes else contextlib.nullcontext():
                 if kind == "W":

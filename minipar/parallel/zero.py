@@ -43,7 +43,10 @@ also the block in hand and the next one (prefetch). ``train --peak-memory`` repo
   two units are whole at once. ``gather_wait_s`` sums the time the step still waited for them.
 
 Gradient accumulation: stage 1 honours ``no_sync()`` (full gradients accumulate locally); stages
-2-3 reduce-scatter on every backward and accumulate into the shard, as DeepSpeed does.
+2-3 reduce-scatter on every backward and accumulate into the shard, as DeepSpeed does. Under a pipeline
+each microbatch's backward of each chunk is its own pass; a group whose parameters span two chunks (an
+interleaved or V schedule) adds a gradient that arrives twice before the group launches into its buffer,
+so every gradient is reduced exactly once, in an order every rank of the group shares (same schedule).
 
 Hybrid sharding (``replicas``, FSDP's HYBRID_SHARD / HSDP): ``comm`` is one group of K ranks that
 shards the state, and ``replicas`` joins the N/K groups' ranks holding the same shard. A gradient is
@@ -99,7 +102,7 @@ class Shard:
         self.master: Any = None  # mixed precision: the float32 master of this rank's slice
         self.pending: list[Handle] = []  # reduce-scatters launched since the last sync_gradients
         self.prefetch: Handle | None = None  # stage 3: an all-gather of the parameters started ahead of use
-        self.ready = 0                   # parameters whose gradient is final in the running backward
+        self.filled: set[int] = set()    # parameters whose gradients are in the buffer since the last launch
         self.buffer: Any = None          # their gradients, flat, until the group is complete
         self.gathered = True
 
@@ -240,13 +243,16 @@ class ZeRO(ReplicatedModel, Optimizer):
             return
         if shard.buffer is None:
             shard.buffer = xp.zeros(shard.bucket.size, dtype=shard.bucket.grad_dtype)  # zeros: for unused parameters
-        p = shard.bucket.params[i]
-        shard.bucket.slot(shard.buffer, i)[...] = p.grad
+        p, slot = shard.bucket.params[i], shard.bucket.slot(shard.buffer, i)
+        if i in shard.filled:  # another backward's gradient before the group launched: a pipeline's chunks
+            slot += p.grad     # run their backwards apart, so a group spanning two fills unevenly; sums stay exact
+        else:
+            slot[...] = p.grad
+            shard.filled.add(i)
         # stage 1 keeps the full gradients — in the flat buffer, which will also hold its reduced slice; from
         # stage 2 on only the reduced slice is kept
-        p.grad = shard.bucket.slot(shard.buffer, i) if self.stage == 1 else None
-        shard.ready += 1
-        if shard.ready == len(shard.bucket.params):
+        p.grad = slot if self.stage == 1 else None
+        if len(shard.filled) == len(shard.bucket.params):
             self._launch(shard)
 
     def _launch(self, shard: Shard) -> None:
@@ -260,7 +266,7 @@ class ZeRO(ReplicatedModel, Optimizer):
                 shard.comm.reduce_scatter(flat, op="avg", algorithm="ring", label="grads"), op="avg", algorithm="ring",
                 label="grads"))
         shard.pending.append(handle)
-        shard.ready = 0
+        shard.filled = set()
         self.in_flight.append(handle)
         while len(self.in_flight) > MAX_IN_FLIGHT:  # bound the flat buffers queued for the communication thread
             self.in_flight.popleft().wait()
@@ -274,7 +280,7 @@ class ZeRO(ReplicatedModel, Optimizer):
         here, with zeros for the missing ones, in group order — the same on every rank.
         """
         for shard in self.shards:
-            if shard.ready or not shard.pending:  # partial gradients, or none since the last sync
+            if shard.filled or not shard.pending:  # partial gradients, or none since the last sync
                 self._launch(shard)
         for shard in self.shards:
             for handle in shard.pending:
@@ -286,6 +292,9 @@ class ZeRO(ReplicatedModel, Optimizer):
                 shard.buffer[shard.lo:shard.hi] = shard.grad
                 shard.grad = shard.buffer[shard.lo:shard.hi]
             shard.pending = []
+            if shard.prefetch is not None:  # gathered ahead but not used this step (a pipeline's last unit): the
+                shard.prefetch.wait()       # step changes the parameters, so it must not serve the next one
+                shard.prefetch = None
         self.in_flight.clear()
 
     # ------------------------------------------------------------------------------- optimizer
