@@ -22,7 +22,9 @@ in ``defer`` is asked — through ``ctx.needs_input_grad`` — for its other inp
 is kept, with the gradient it received, in the returned :class:`WeightGradients`. Its ``run()`` (W)
 later asks each kept node for the weights' gradients alone, from the same saved activations (no
 forward is re-run), and accumulates them; the weights' hooks fire there. Ops that ignore the mask
-and return a weight gradient in B anyway have it kept for W, so the result never depends on it.
+and return a weight gradient in B anyway have it kept for W, so the result never depends on it. A node
+whose backward re-runs a forward (full recomputation) backpropagates it with :meth:`Tensor.nested_backward`,
+which defers that graph's weights into the same W.
 
 Mixed precision (autocast). When a Function's array inputs include float16/bfloat16 ones, ``apply``
 runs its forward in float32 on upcast copies and stores the output — and everything it saves for
@@ -145,6 +147,16 @@ class Tensor:
                 raise RuntimeError(f"backward() without a gradient needs a scalar, got shape {self.shape}")
             grad = xp.ones_like(self.data)
         deferred = WeightGradients() if defer is not None else None
+        if deferred is not None:
+            _splitting.append((defer, deferred))
+        try:
+            self._walk(grad, defer, deferred)
+        finally:
+            if deferred is not None:
+                _splitting.pop()
+        return deferred
+
+    def _walk(self, grad: Any, defer: set[int] | None, deferred: WeightGradients | None) -> None:
         grads: dict[int, Any] = {id(self): grad}
         for node in _reverse_topological_order(self):
             g = grads.pop(id(node), None)
@@ -177,7 +189,17 @@ class Tensor:
                     continue
                 key = id(inp)
                 grads[key] = ig if key not in grads else grads[key] + ig
-        return deferred
+
+    def nested_backward(self, grad: Any) -> None:
+        """Backward through a graph built inside another node's backward (recomputation): under a split backward
+        the outer walk's weights are deferred here too, and their W joins the outer one."""
+        if not _splitting:
+            self.backward(grad)
+            return
+        defer, outer = _splitting[-1]
+        inner = self.backward(grad, defer=defer)
+        outer.nodes += inner.nodes
+        outer.ready += inner.ready
 
     def _accumulate(self, g: Any) -> None:
         if self.grad is None:
@@ -211,6 +233,9 @@ class Tensor:
     def log(self): return _ops.log(self)
     def tanh(self): return _ops.tanh(self)
     def softmax(self, axis: int = -1): return _ops.softmax(self, axis)
+
+
+_splitting: list[tuple[set[int], WeightGradients]] = []  # the split backwards in progress, innermost last
 
 
 class WeightGradients:

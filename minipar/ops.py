@@ -557,7 +557,9 @@ class Recompute(Function):
     Forward runs ``fn`` without recording a graph, so none of its intermediate activations stay alive.
     Backward runs ``fn`` again from the saved x with gradients on and backpropagates the incoming dy
     through it: the parameters inside ``fn`` receive their gradients there, x's is returned. Costs one
-    more forward of ``fn`` per backward; the result is the same arithmetic, so the same numbers.
+    more forward of ``fn`` per backward; the result is the same arithmetic, so the same numbers. Under a
+    split backward (ZB-H1, DualPipeV) the recomputed graph's weight gradients wait for W with the others
+    (``Tensor.nested_backward``), so the recomputed activations they need live until W.
     """
 
     autocast = False  # runs fn on the input as it is: the recomputed forward is the original one
@@ -573,7 +575,7 @@ class Recompute(Function):
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
         inp = Tensor(ctx.saved[0], requires_grad=True)
-        ctx.run(inp).backward(g)
+        ctx.run(inp).nested_backward(g)  # under a split backward its weights wait for W with the rest
         return inp.grad, None
 
 

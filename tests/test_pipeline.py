@@ -52,7 +52,8 @@ NEW_SCHEDULES = [("interleaved", 2, 2, 4, []), ("interleaved", 2, 2, 8, []), ("i
                  ("gpipe", 2, 1, 2, ["--dp", "2", "--zero", "3", "--no-prefetch", "--eval-interval", "10"]),
                  ("interleaved", 2, 2, 4, ["--dp", "2", "--zero", "3"]), ("zb-h1", 3, 1, 4, ["--dp", "2", "--zero", "3"]),
                  ("dualpipev", 2, 1, 4, ["--dp", "2", "--zero", "3", "--eval-interval", "10"]),
-                 ("dualpipev", 2, 1, 4, ["--dp", "2", "--zero", "2", "--tp", "2"])]
+                 ("dualpipev", 2, 1, 4, ["--dp", "2", "--zero", "2", "--tp", "2"]),
+                 ("dualpipev", 2, 1, 4, ["--recompute", "full"])]  # split backward through recomputed blocks
 
 
 @pytest.mark.parametrize("kind,pp,v,m,extra", NEW_SCHEDULES)

@@ -47,6 +47,30 @@ def test_recomputation_under_bfloat16(mode):
             assert np.abs(got - want).max() <= 4 * 2.0**-8 * np.abs(want).max(), name
 
 
+def test_split_backward_through_recomputed_blocks():
+    """B of fully recomputed blocks leaves every weight gradient to W (the recomputed graph's too); W then gives
+    a plain backward's gradients, each weight's hook firing once, in W."""
+    h = np.random.default_rng(1).standard_normal((2, 16, 16))
+    grads = []
+    for split in (False, True):
+        model = GPT(CFG, seed=3).set_recompute("full")
+        fired = []
+        for name, p in model.named_parameters():
+            p.register_hook(lambda p, name=name: fired.append(name))
+        x = Tensor(h, requires_grad=True)
+        out = model.transformer.h[1](model.transformer.h[0](x))
+        deferred = out.backward(np.ones_like(h), defer={id(p) for p in model.parameters()} if split else None)
+        if split:
+            assert not fired and x.grad is not None  # B: the input's gradient, no weight's
+            deferred.run()
+        blocks = [n for n, _ in model.named_parameters() if n.startswith("transformer.h.")]
+        assert sorted(fired) == sorted(blocks)
+        grads.append((x.grad, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    np.testing.assert_array_equal(grads[0][0], grads[1][0])
+    for name, g in grads[0][1].items():
+        np.testing.assert_allclose(grads[1][1][name], g, rtol=1e-12, atol=1e-15, err_msg=name)
+
+
 def test_recompute_function_by_finite_differences():
     w = np.random.default_rng(1).standard_normal((4, 4))
     fn = lambda t: ops.tanh(t @ Tensor(w)) * t  # noqa: E731
@@ -86,7 +110,9 @@ MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "1
                                           (2, ["--recompute", "full", "--tp", "2", "--sp"]),
                                           (2, ["--recompute", "selective", "--tp", "2"]),
                                           (2, ["--recompute", "full", "--dp", "2", "--zero", "3"]),
-                                          (2, ["--recompute", "full", "--pp", "2", "--microbatches", "2"])])
+                                          (2, ["--recompute", "full", "--pp", "2", "--microbatches", "2"]),
+                                          (2, ["--recompute", "full", "--pp", "2", "--microbatches", "4",
+                                               "--schedule", "zb-h1"])])
 def test_training_matches(tmp_path, single, ranks, layout):
     assert_same_training(train_cli([*MODEL, *layout], ranks, str(tmp_path / "out")), single)
 
@@ -94,7 +120,6 @@ def test_training_matches(tmp_path, single, ranks, layout):
 @pytest.mark.parametrize("ranks,args,message", [
     (2, ["--recompute", "selective", "--cp", "2"], "--recompute selective recomputes the standard attention"),
     (1, ["--recompute", "full", "--n-expert", "2"], "--recompute full is not supported with --n-expert"),
-    (2, ["--recompute", "full", "--pp", "2", "--schedule", "zb-h1"], "not supported with --schedule zb-h1"),
 ])
 def test_refused(ranks, args, message):
     with pytest.raises(AssertionError) as err:
