@@ -579,6 +579,24 @@ class Recompute(Function):
         return inp.grad, None
 
 
+class AddLoss(Function):
+    """``x`` unchanged, with a side loss hung on it: backward passes x's gradient through and hands the side
+    loss the gradient ``weight`` (the d total/d loss it would get as a term of the final loss). A pipeline
+    stage whose MoE layers' balancing loss is not on the stage that computes the loss attaches it to its
+    output this way (Megatron's MoEAuxLossAutoScaler), so its router receives that gradient in backward."""
+
+    autocast = False  # moves nothing: keeps x's dtype
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, loss: Any, weight: float) -> Any:
+        ctx.loss_like, ctx.weight_value = loss, weight
+        return x
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        return g, xp.full_like(ctx.loss_like, ctx.weight_value), None
+
+
 _masks: dict[tuple, Any] = {}
 
 
@@ -625,3 +643,4 @@ def causal_self_attention(qkv, n_head: int, scale: float | None = None, recomput
 
 
 def recompute(fn, x) -> Tensor: return Recompute.apply(x, fn)
+def add_loss(x, loss, weight: float) -> Tensor: return AddLoss.apply(x, loss, weight)

@@ -698,7 +698,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             if mesh.cp > 1 and args.cp_kind == "ring":
                 record["context"] = context_report(model, mesh.cp_comm)
             if cfg.n_expert:
-                record["experts"] = expert_report(model, mesh.grad_comm)
+                record["experts"] = expert_report(model, mesh.grad_comm, mesh.pp_comm)
             if scaler:
                 record["loss_scale"], record["skipped"] = scale, overflow
             if args.peak_memory:

@@ -149,6 +149,25 @@ def test_matches_single_process(tmp_path, singles, capacity, ep, dp, extra):
         assert moe["rows_out"] > 0 and moe["rows_in"] > 0
 
 
+@pytest.mark.parametrize("dp,ep,extra", [(1, 1, []), (1, 1, ["--schedule", "zb-h1"]), (2, 2, ["--zero", "1"]),
+                                         (1, 1, ["--schedule", "gpipe", "--eval-interval", "10"])])
+def test_experts_under_a_pipeline(tmp_path, singles, dp, ep, extra):
+    """--pp 2, 2 microbatches: each stage hangs its layers' balancing loss on its output, so the routers of both
+    stages get the single-process gradient; the loss, drops and loads are summed over the stages."""
+    result = train([*model(0.5), "--pp", "2", "--microbatches", "2", "--dp", str(dp), "--ep", str(ep), *extra],
+                   2 * dp, tmp_path, "pp")
+    reference = singles(0.5, 2 * dp)  # the same routing groups: dp·m microbatches of B/(dp·m) rows
+    assert_same_training(result, reference)
+    for record, ref in zip((r for r in result[0] if "loss" in r), reference[0]):
+        assert record["experts"]["dropped_fraction"] == ref["experts"]["dropped_fraction"] > 0
+        assert (record["experts"]["expert_load_min"], record["experts"]["expert_load_max"]) == \
+            (ref["experts"]["expert_load_min"], ref["experts"]["expert_load_max"])
+    if "--eval-interval" in extra:
+        evaluated = train_cli([*model(0.5), "--microbatches", str(2 * dp), "--eval-interval", "10"], 1)[0]
+        val = lambda records: [r["val_loss"] for r in records if "val_loss" in r]  # noqa: E731
+        np.testing.assert_allclose(val(result[0]), val(evaluated), rtol=1e-9)
+
+
 def test_checkpoints_reshard_across_ep(tmp_path, singles):
     """Saved at step 10 with ep 2 (dp 2), resumed with ep 1 (dp 2) and on one process: the same trajectory."""
     save = str(tmp_path / "save")
@@ -176,7 +195,7 @@ def test_progress_line_reports_drops_and_expert_load():
     (3, ["--n-expert", "4", "--ep", "2"], "--ep 2 must divide --dp 3"),
     (1, ["--n-expert", "2", "--expert-top-k", "3"], "--expert-top-k 3 must be between 1 and --n-expert 2"),
     (2, ["--ep", "2"], "--ep splits the experts of a mixture-of-experts model: pass --n-expert"),
-    (2, ["--n-expert", "4", "--pp", "2"], "--pp is not supported with --n-expert yet"),
+    (2, ["--n-expert", "4", "--cp", "2"], "--cp is not supported with --n-expert yet"),
     (1, ["--n-expert", "4", "--out", "x"], "--out writes Hugging Face GPT-2"),
     (2, ["--n-expert", "4", "--ep", "2", "--compression", "topk"], "use it without --local-sgd and --compression"),
     (1, ["--ep", "0"], "--ep must be positive"),

@@ -201,11 +201,13 @@ class GPT(Module):
         logits = wte.attend(self.transformer.ln_f(x))
         if targets is None:
             return logits, None
-        loss = wte.cross_entropy(logits, targets)
-        if self.config.n_expert:  # the load-balancing losses of this forward's MoE layers
-            aux = [block.mlp.aux_loss for block in self.transformer.h if block.mlp.aux_loss is not None]
-            loss = loss + ops.sum(ops.concat([a.reshape(1) for a in aux])) * self.config.aux_loss_coef
-        return logits, loss
+        return logits, wte.cross_entropy(logits, targets)
+
+    def balance_loss(self, blocks: Any) -> Tensor | None:
+        """aux_loss_coef × the sum of the load-balancing losses of ``blocks``' MoE layers in their last forward
+        (None for dense blocks): the model's loss adds it for all blocks, a pipeline stage for its own."""
+        aux = [block.mlp.aux_loss for block in blocks if getattr(block.mlp, "aux_loss", None) is not None]
+        return ops.sum(ops.concat([a.reshape(1) for a in aux])) * self.config.aux_loss_coef if aux else None
 
     def forward(self, idx: Any, targets: Any = None) -> tuple[Tensor, Tensor | None]:
         """``idx`` (B, T) int -> (logits (B, T, vocab), mean cross-entropy loss or None)."""
@@ -213,7 +215,9 @@ class GPT(Module):
         x = self.embed(idx)
         for block in self.transformer.h:
             x = block(x)
-        return self.head(x, None if targets is None else to_device(targets))
+        logits, loss = self.head(x, None if targets is None else to_device(targets))
+        balance = self.balance_loss(self.transformer.h) if loss is not None else None
+        return logits, loss if balance is None else loss + balance
 
     @no_grad()
     def generate(self, idx: Any, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,

@@ -134,16 +134,21 @@ def moe_layers(model: Module) -> list[MoEMLP]:
     return [m for m in model.modules() if isinstance(m, MoEMLP)]
 
 
-def expert_report(model: Module, comm: Communicator) -> dict[str, Any]:
-    """This step's routing over the data-parallel replicas ``comm`` (one all-reduce of 2 + L·E numbers): the share
-    of assignments dropped for capacity, and the fewest / most tokens any expert of any layer computed."""
+def expert_report(model: Module, comm: Communicator, stages: Communicator | None = None) -> dict[str, Any]:
+    """This step's routing over the data-parallel replicas ``comm`` (one all-reduce of 2 + L·E numbers) and the
+    pipeline ``stages`` (each holding its own layers: one all-reduce of 4 numbers): the share of assignments
+    dropped for capacity, and the fewest / most tokens any expert of any layer computed."""
     layers = moe_layers(model)
     local = np.concatenate([[sum(m.tally["assignments"] for m in layers), sum(m.tally["kept"] for m in layers)],
                             *[m.tally["load"] for m in layers]]).astype(np.float64)
     total = comm.all_reduce(local, label="moe_report") if comm.size > 1 else local
-    load = total[2:]
-    report = {"dropped_fraction": 1.0 - total[1] / max(total[0], 1.0), "expert_load_min": int(load.min()),
-              "expert_load_max": int(load.max())}
+    counts, low, high = total[:2], (total[2:].min() if layers else np.inf), (total[2:].max() if layers else 0.0)
+    if stages is not None and stages.size > 1:
+        counts = stages.all_reduce(counts, label="moe_report")
+        negated_low, high = stages.all_reduce(np.array([-low, high]), op="max", label="moe_report")  # min = −max(−x)
+        low = -negated_low
+    report = {"dropped_fraction": 1.0 - counts[1] / max(counts[0], 1.0), "expert_load_min": int(low),
+              "expert_load_max": int(high)}
     if any("rows_out" in m.tally for m in layers):  # this rank's rows to / from other ep ranks (bytes_per_layer)
         report.update(rows_out=sum(m.tally["rows_out"] for m in layers), rows_in=sum(m.tally["rows_in"] for m in layers))
     return report

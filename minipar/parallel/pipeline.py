@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from minipar import trace
+from minipar import ops, trace
 from minipar.autograd import Tensor, no_grad
 from minipar.backend import to_device, to_host
 from minipar.comm import Communicator
@@ -143,19 +143,25 @@ class Pipeline:
         return self.model.hooked(lambda: self.model.transformer.wte.weight.data.copy())
 
     # ------------------------------------------------------------------------------- compute
-    def _forward(self, chunk: int, inp: Any, targets: Any) -> Tensor:
-        """This rank's ``chunk`` on ``inp``: token ids on stage 0, else activations; the loss on the last stage."""
+    def _forward(self, chunk: int, inp: Any, targets: Any, seed: float = 0.0) -> tuple[Tensor, Tensor | None]:
+        """This rank's ``chunk`` on ``inp`` (token ids on stage 0, else activations): (its output — the loss on the
+        last stage —, the balancing loss of its MoE layers when that is not already in the loss, else None).
+        A stage before the last hangs its balancing loss on its output (ops.add_loss), so that backward gives it
+        ``seed``, the gradient the final loss starts from."""
         stage, model = self.schedule.stage(self.rank, chunk), self.model
         x = model.hooked(model.embed, to_device(inp)) if stage == 0 else inp  # hooked: the model's own parameters
         for block in self.chunks[chunk]:                                        # (ZeRO-3 gathers them around it)
             x = block(x)
+        balance = model.balance_loss(self.chunks[chunk])
         if stage < self.n_stages - 1:
-            return x
-        return model.hooked(model.head, x, to_device(targets), embedding=self.head_embedding)[1]
+            return (x if balance is None or not seed else ops.add_loss(x, balance, seed)), balance
+        loss = model.hooked(model.head, x, to_device(targets), embedding=self.head_embedding)[1]
+        return (loss if balance is None else loss + balance), None
 
     def run(self, engine: Any, x: np.ndarray, y: np.ndarray, loss_scale: float = 1.0) -> list[Any]:
-        """Forward and backward of the schedule's m microbatches of (x, y); returns their losses as 0-d xp arrays
-        (on the rank with the last stage).
+        """Forward and backward of the schedule's m microbatches of (x, y); returns this rank's terms of their losses
+        as 0-d xp arrays: the losses on the rank with the last stage, the balancing losses of an MoE model's
+        earlier stages on theirs (their sum over the pipeline ranks is each microbatch's loss).
 
         Each chunk's backward passes but its last run under ``engine.no_sync()`` (module docstring). Backward
         starts from loss·loss_scale/m (float16 loss scaling; the losses returned are unscaled)."""
@@ -171,7 +177,7 @@ class Pipeline:
         for k, a in enumerate(order):
             if a.kind == ("W" if split else "B"):
                 final[a.chunk] = k
-        inputs, outputs, weight_passes, losses, sends = {}, {}, {}, [], []
+        inputs, outputs, weight_passes, losses, sends = {}, {}, {}, {}, []  # losses: microbatch -> this rank's terms
         clock, peak = 0.0, 0
         for k, (kind, i, chunk) in enumerate(order):
             stage, name = schedule.stage(self.rank, chunk), f"{i}" + (f".{chunk}" if schedule.v > 1 else "")
@@ -182,13 +188,13 @@ class Pipeline:
                     data, sent_at = self._recv(shape, schedule.rank_of(stage - 1), self._tag(i, stage), f"act {name}")
                     clock, inp = max(clock, sent_at), Tensor(data, requires_grad=True)
                 with trace.span(f"F{name}", "forward"):
-                    out = self._forward(chunk, inp, ys[i])
+                    out, balance = self._forward(chunk, inp, ys[i], loss_scale / m)
                 clock += cost["F"]
                 inputs[i, chunk], outputs[i, chunk] = inp, out
                 peak = max(peak, len(outputs) + len(weight_passes))
-                if stage == last_stage:
-                    losses.append(out.data)
-                else:
+                for term in (out,) if stage == last_stage else (balance,) if balance is not None else ():
+                    losses[i] = term.data if i not in losses else losses[i] + term.data
+                if stage < last_stage:
                     sends += self._send(out.data, schedule.rank_of(stage + 1), self._tag(i, stage + 1), clock,
                                         "pp_activations")
                 continue
@@ -229,7 +235,7 @@ class Pipeline:
         busy = m * schedule.v * sum(cost[kind] for kind in ("FBW" if split else "FB"))
         self.stats = {"peak_microbatches_in_flight": peak, "logical_step_time": makespan,
                       "bubble": 1.0 - busy / makespan, "bubble_formula": schedule.bubble()}
-        return losses
+        return list(losses.values())
 
     def _run_single_stage(self, engine: Any, xs: list, ys: list, loss_scale: float) -> list[Any]:
         """No pipeline: plain gradient accumulation through the engine (which may be ZeRO-3's hooks)."""
@@ -245,24 +251,27 @@ class Pipeline:
         return losses
 
     def forward_only(self, engine: Any, x: np.ndarray, y: np.ndarray) -> float | None:
-        """The loss of (x, y) without gradients (evaluation); a float on the last rank, None elsewhere."""
+        """This rank's term of the loss of (x, y) without gradients (evaluation): the loss on the rank with the last
+        stage, an MoE model's balancing losses on the others (summed over the pipeline: the loss), else None."""
         if self.n_ranks == 1:
             with no_grad():
                 return engine(x, y)[1].item()
         self._exchange_tied_embedding()
         shape = (len(x), len(self.model.positions(x.shape[1])), self.model.config.n_embd)
-        schedule, out, sends = self.schedule, None, []
+        schedule, total, sends = self.schedule, None, []
         with no_grad():
             for stage, chunk in sorted((schedule.stage(self.rank, c), c) for c in range(schedule.v)):
                 inp = x if stage == 0 else self._recv(shape, schedule.rank_of(stage - 1), _EVAL_TAG + 2 * stage,
                                                       "eval")[0]
-                out = self._forward(chunk, inp, y)
+                out, balance = self._forward(chunk, inp, y)
+                term = out if stage == self.n_stages - 1 else balance
+                total = total if term is None else term.item() + (total or 0.0)
                 if stage < self.n_stages - 1:
                     sends += self._send(out.data, schedule.rank_of(stage + 1), _EVAL_TAG + 2 * (stage + 1), 0.0,
                                         "pp_activations")
         for handle in sends:
             handle.wait()
-        return out.item() if self.rank == self.head_rank else None
+        return total
 
 
 def stage_state(local: dict[str, np.ndarray], comm: Communicator) -> dict[str, np.ndarray]:
