@@ -560,13 +560,17 @@ class Recompute(Function):
     more forward of ``fn`` per backward; the result is the same arithmetic, so the same numbers. Under a
     split backward (ZB-H1, DualPipeV) the recomputed graph's weight gradients wait for W with the others
     (``Tensor.nested_backward``), so the recomputed activations they need live until W.
+
+    A side scalar ``fn`` computes besides y (a MoE layer's balancing loss, read by ``side()``) would have no
+    graph in the first forward: :func:`recomputed_side` makes it a node on y whose backward records the
+    gradient the side scalar receives; the recomputed forward's own side scalar then gets it (ops.add_loss).
     """
 
     autocast = False  # runs fn on the input as it is: the recomputed forward is the original one
 
     @staticmethod
-    def forward(ctx: Context, x: Any, fn: Any) -> Any:
-        ctx.run = fn
+    def forward(ctx: Context, x: Any, fn: Any, side: Any = None) -> Any:
+        ctx.run, ctx.side, ctx.side_grad = fn, side, None
         with no_grad():
             out = fn(Tensor(x))
         ctx.save_for_backward(x)
@@ -575,8 +579,41 @@ class Recompute(Function):
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
         inp = Tensor(ctx.saved[0], requires_grad=True)
-        ctx.run(inp).nested_backward(g)  # under a split backward its weights wait for W with the rest
-        return inp.grad, None
+        _recomputing.append(True)
+        try:
+            out = ctx.run(inp)
+        finally:
+            _recomputing.pop()
+        if ctx.side_grad is not None:  # the side scalar's gradient, recorded by RecomputedSide (it ran first)
+            out = add_loss(out, ctx.side(), ctx.side_grad)
+        out.nested_backward(g)  # under a split backward its weights wait for W with the rest
+        return inp.grad, None, None
+
+
+_recomputing: list[bool] = []  # non-empty while a Recompute runs its forward again
+
+
+def recomputing() -> bool:
+    """Whether the forward running now is a recomputation (layers that count what they did count it once)."""
+    return bool(_recomputing)
+
+
+class RecomputedSide(Function):
+    """The side scalar of a recomputed ``y`` (its value from the first forward) as a node on y: in backward it
+    hands nothing to y and records its gradient for y's Recompute, whose backward comes later (it made y)."""
+
+    autocast = False
+
+    @staticmethod
+    def forward(ctx: Context, y: Any, recompute: Context, value: Any) -> Any:
+        ctx.recompute = recompute
+        return value
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        previous = ctx.recompute.side_grad
+        ctx.recompute.side_grad = g if previous is None else previous + g
+        return None, None, None
 
 
 class AddLoss(Function):
@@ -642,5 +679,10 @@ def causal_self_attention(qkv, n_head: int, scale: float | None = None, recomput
     return CausalSelfAttention.apply(qkv, n_head, scale, recompute)
 
 
-def recompute(fn, x) -> Tensor: return Recompute.apply(x, fn)
+def recompute(fn, x, side=None) -> Tensor: return Recompute.apply(x, fn, side)
+
+
+def recomputed_side(y: Tensor, value: Tensor) -> Tensor:
+    """``value`` (the side scalar ``fn`` computed in y's recomputed forward) with a gradient path (see Recompute)."""
+    return RecomputedSide.apply(y, y._ctx, value.data) if y._ctx is not None else value
 def add_loss(x, loss, weight: float) -> Tensor: return AddLoss.apply(x, loss, weight)

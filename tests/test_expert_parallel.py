@@ -150,7 +150,8 @@ def test_matches_single_process(tmp_path, singles, capacity, ep, dp, extra):
 
 
 @pytest.mark.parametrize("dp,ep,extra", [(1, 1, []), (1, 1, ["--schedule", "zb-h1"]), (2, 2, ["--zero", "1"]),
-                                         (1, 1, ["--schedule", "gpipe", "--eval-interval", "10"])])
+                                         (1, 1, ["--schedule", "gpipe", "--eval-interval", "10"]),
+                                         (1, 1, ["--schedule", "zb-h1", "--recompute", "full"])])
 def test_experts_under_a_pipeline(tmp_path, singles, dp, ep, extra):
     """--pp 2, 2 microbatches: each stage hangs its layers' balancing loss on its output, so the routers of both
     stages get the single-process gradient; the loss, drops and loads are summed over the stages."""

@@ -71,6 +71,24 @@ def test_split_backward_through_recomputed_blocks():
         np.testing.assert_allclose(grads[1][1][name], g, rtol=1e-12, atol=1e-15, err_msg=name)
 
 
+@pytest.mark.parametrize("factor", [0.5, 4.0])
+def test_full_recomputation_keeps_the_balancing_loss(factor):
+    """MoE blocks recomputed whole: the balancing loss of the first forward is a node on the block's output whose
+    gradient the recomputed forward's own balancing loss receives — the same loss and gradients, bit for bit
+    (the same arithmetic in the same order), with and without dropped tokens."""
+    cfg = GPTConfig(**{**CFG.__dict__, "n_expert": 4, "capacity_factor": factor, "aux_loss_coef": 0.5})
+    x = np.random.default_rng(0).integers(0, 64, (3, 16))
+    runs = []
+    for mode in ("none", "full"):
+        model = GPT(cfg, seed=3).set_recompute(mode)
+        _, loss = model(x, x)
+        loss.backward()
+        runs.append((loss.item(), {n: p.grad for n, p in model.named_parameters()}))
+    assert runs[0][0] == runs[1][0]
+    for name, grad in runs[0][1].items():
+        np.testing.assert_array_equal(runs[1][1][name], grad, err_msg=name)
+
+
 def test_recompute_function_by_finite_differences():
     w = np.random.default_rng(1).standard_normal((4, 4))
     fn = lambda t: ops.tanh(t @ Tensor(w)) * t  # noqa: E731
@@ -119,7 +137,6 @@ def test_training_matches(tmp_path, single, ranks, layout):
 
 @pytest.mark.parametrize("ranks,args,message", [
     (2, ["--recompute", "selective", "--cp", "2"], "--recompute selective recomputes the standard attention"),
-    (1, ["--recompute", "full", "--n-expert", "2"], "--recompute full is not supported with --n-expert"),
 ])
 def test_refused(ranks, args, message):
     with pytest.raises(AssertionError) as err:

@@ -116,7 +116,13 @@ class Block(Module):
     recompute = False  # full recomputation: keep only the block's input, run it again in backward
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.recompute(self.body, x) if self.recompute else self.body(x)
+        if not self.recompute:
+            return self.body(x)
+        side = getattr(self.mlp, "aux_loss", False) is not False  # a MoE layer: its balancing loss rides along
+        y = ops.recompute(self.body, x, (lambda: self.mlp.aux_loss) if side else None)
+        if side:
+            self.mlp.aux_loss = ops.recomputed_side(y, self.mlp.aux_loss)
+        return y
 
     def body(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -164,8 +170,6 @@ class GPT(Module):
         its input and runs again in backward)."""
         if mode not in RECOMPUTE:
             raise ValueError(f"unknown recomputation {mode!r}: expected one of {RECOMPUTE}")
-        if mode == "full" and self.config.n_expert:
-            raise ValueError("full recomputation would lose the experts' load-balancing loss: use selective")
         for block in self.transformer.h:
             block.recompute = mode == "full"
             if mode == "selective":

@@ -99,9 +99,10 @@ class MoEMLP(Module):
         self.aux_loss = (probs.mean(axis=0) * Tensor(share)).sum() * float(E)
         self.stats = {"dropped_fraction": 1.0 - kept.sum() / (N * k), "expert_load_min": int(load.min()),
                       "expert_load_max": int(load.max())}
-        self.tally["assignments"] += N * k
-        self.tally["kept"] += int(kept.sum())
-        self.tally["load"] += load
+        if not ops.recomputing():  # a recomputed forward routes the same tokens again: counted once
+            self.tally["assignments"] += N * k
+            self.tally["kept"] += int(kept.sum())
+            self.tally["load"] += load
         return y.reshape(B, T, C)
 
     def run_experts(self, padded: Tensor, tokens: np.ndarray, load: np.ndarray) -> Tensor:

@@ -131,8 +131,6 @@ class Layout:
                                  f"{self.tp}: it must be divisible by it")
         pipeline = self.pipeline_schedule()  # the schedule's own arithmetic: microbatch groups, the V's 2·pp, …
         stage_blocks(cfg.n_layer, pipeline.n_stages, 0)
-        if self.recompute == "full" and cfg.n_expert:
-            raise ValueError("--recompute full is not supported with --n-expert yet (the balancing loss would be lost)")
 
     def pipeline_schedule(self) -> Schedule:
         """The schedule object of ``--schedule`` for these pp ranks, microbatches and virtual stages."""
