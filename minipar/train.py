@@ -636,7 +636,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     pipeline = Pipeline(model, mesh.pp_comm, layout.pipeline_schedule())
     engine, optimizer = build_engine(model, mesh, args)
     local_sgd = LocalSGD(model, mesh.dp_comm, args.local_sgd, args.outer_lr, args.outer_momentum,
-                         staleness=args.staleness) if args.local_sgd else None
+                         staleness=args.staleness, masters=optimizer.master) if args.local_sgd else None
     if resumed is not None:
         restore_optimizer(optimizer, model, mesh, resumed)
     split_sum = group_sum(mesh.tp_comm, mesh.pp_comm, mesh.ep_comm)
@@ -674,7 +674,9 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             for layer in moe_layers(model):
                 layer.reset_tally()
             x, y = (context_slice(shard_rows(a, mesh.dp_rank, mesh.dp), mesh.cp_comm, args.cp_split) for a in batches(step))
-            losses = pipeline.run(engine, x, y, loss_scale=scaler.scale if scaler else 1.0)
+            loss_scale = scaler.scale if scaler else 1.0
+            engine.loss_scale = loss_scale  # the factor the gradients carry (a compressor's error feedback)
+            losses = pipeline.run(engine, x, y, loss_scale=loss_scale)
             with trace.span("sync gradients", "comm"):
                 engine.sync_gradients()
             with trace.span("optimizer", "optimizer"):

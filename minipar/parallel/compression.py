@@ -26,13 +26,18 @@ from typing import Any
 
 import numpy as np
 
-from minipar.backend import to_device, to_host, xp
+from minipar.backend import is_low_precision, to_device, to_host, xp
 from minipar.comm import Communicator
 from minipar.parallel.data_parallel import Bucket
 
 
 class Compressor:
+    """``loss_scale``: the factor the gradients handed in carry (fp16 dynamic loss scaling; the training loop sets
+    it every step). Error feedback is kept in unscaled units — divided by it when stored, multiplied when used —
+    so a scale that changes between steps does not change what the residual means, and a step whose gradients
+    are not finite (an fp16 overflow, which the loop then skips) leaves the residual as it was."""
     name = "none"
+    loss_scale = 1.0
 
     def reduce(self, comm: Communicator, bucket: Bucket, flat: Any) -> None:
         """Replace ``flat`` (this rank's gradient for ``bucket``) by the (approximate) average over ranks."""
@@ -46,7 +51,12 @@ class Cast(Compressor):
         self.wire, self.name = wire, wire
 
     def reduce(self, comm: Communicator, bucket: Bucket, flat: Any) -> None:
-        comm.all_reduce(flat, op="avg", wire=self.wire, label="grads")
+        if not is_low_precision(flat.dtype):
+            comm.all_reduce(flat, op="avg", wire=self.wire, label="grads")
+            return
+        wide = flat.astype(xp.float32)  # 16-bit gradients (mixed precision): the same wire, float32 adds
+        comm.all_reduce(wide, op="avg", wire=self.wire, label="grads")
+        flat[...] = wide
 
 
 def _gather_payloads(comm: Communicator, payload: np.ndarray) -> list[np.ndarray]:
@@ -80,12 +90,14 @@ class TopK(Compressor):
         self.residual: dict[int, np.ndarray] = {}  # per bucket: what earlier steps did not send
 
     def reduce(self, comm: Communicator, bucket: Bucket, flat: Any) -> None:
-        e = to_host(flat).astype(np.float32) + self.residual.get(id(bucket), 0.0)
+        e = to_host(flat).astype(np.float32) + self.residual.get(id(bucket), 0.0) * self.loss_scale
         k = max(1, int(self.ratio * e.size)) if e.size else 0
         top = np.sort(np.argpartition(np.abs(e), e.size - k)[e.size - k:]).astype(np.int32) if k else np.zeros(0, np.int32)
         values = e[top]
-        self.residual[id(bucket)] = e
-        self.residual[id(bucket)][top] = 0.0  # sent: error feedback keeps only the rest
+        if np.isfinite(e).all():  # error feedback keeps only what was not sent, unscaled (class Compressor)
+            residual = e / self.loss_scale
+            residual[top] = 0.0
+            self.residual[id(bucket)] = residual
         payload = np.concatenate([top.view(np.uint8), values.view(np.uint8)])
         dense = np.zeros(e.size, np.float32)
         for other in _gather_payloads(comm, payload):
@@ -121,9 +133,9 @@ class PowerSGD(Compressor):
         if not matrices:
             return
         ms = []
-        for i in matrices:
-            key = id(bucket.params[i])
-            m = bucket.slot(flat, i) + self.residual.get(key, 0.0)
+        for i in matrices:  # in float32 for 16-bit gradients (no 16-bit QR; factors and residuals stay float32)
+            key, g = id(bucket.params[i]), bucket.slot(flat, i)
+            m = (g.astype(xp.float32) if is_low_precision(g.dtype) else g) + self.residual.get(key, 0.0) * self.loss_scale
             if key not in self.q:  # the same random start on every rank
                 rng = np.random.default_rng((self.seed, i, *m.shape))
                 self.q[key] = to_device(rng.standard_normal((m.shape[1], self.rank)), dtype=m.dtype)
@@ -133,8 +145,8 @@ class PowerSGD(Compressor):
         qs = self._all_average(comm, [m.T @ p for (_, m), p in zip(ms, ps)])
         for i, (key, m), p, q in zip(matrices, ms, ps, qs):
             approx = p @ q.T
-            self.residual[key] = m - approx
-            self.q[key] = q
+            if bool(xp.isfinite(m).all()):  # an overflowed step leaves the residual and the warm start alone
+                self.residual[key], self.q[key] = (m - approx) / self.loss_scale, q
             bucket.slot(flat, i)[...] = approx
 
     @staticmethod

@@ -159,6 +159,7 @@ class DataParallel(ReplicatedModel):
         reduces 16-bit gradients in float32: twice the bytes, no rounding in the sum."""
         super().__init__(model)
         self.comm, self.overlap, self.compression = comm, overlap, compression
+        self.loss_scale = 1.0
         groups = replica_groups(gradient_ready_order(model), comm, expert_comm)
         broadcast_parameters(groups)
         self.buckets = [b for params, c, scale in groups for b in make_buckets(params, bucket_mb * 2**20, c, scale, reduce_dtype)
@@ -166,6 +167,17 @@ class DataParallel(ReplicatedModel):
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 p.register_hook(lambda p, bucket=bucket, i=i: self._gradient_ready(bucket, i))
+
+    @property
+    def loss_scale(self) -> float:
+        """The fp16 loss scale the gradients carry this step (what a compressor's error feedback divides out)."""
+        return self._loss_scale
+
+    @loss_scale.setter
+    def loss_scale(self, scale: float) -> None:
+        self._loss_scale = scale
+        if self.compression:
+            self.compression.loss_scale = scale
 
     def _gradient_ready(self, bucket: Bucket, i: int) -> None:
         if not self._sync:

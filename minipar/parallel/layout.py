@@ -108,10 +108,6 @@ class Layout:
         if self.local_sgd and (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.zero or self.compression != "none"):
             raise ValueError("--local-sgd replaces the gradient all-reduce of plain data parallelism: use it with --dp "
                              "alone (no --tp/--pp/--cp/--zero/--compression)")
-        if self.precision != "fp32":
-            for flag, on in (("--local-sgd", self.local_sgd), ("--compression", self.compression != "none")):
-                if on:
-                    raise ValueError(f"--precision {self.precision} is not supported with {flag} yet")
         check_tensor_parallel(cfg, self.tp, self.sp)
         check_expert_parallel(cfg, self.ep, self.dp)
         if cfg.n_expert:

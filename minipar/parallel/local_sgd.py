@@ -15,6 +15,11 @@ only waited for at the end of round t + τ, so communication overlaps τ rounds 
 rank then continues from θ_global minus its own deltas of the last τ rounds (not yet averaged):
 replicas differ by at most τ rounds of local progress, and agree exactly after ``finish()``.
 
+Mixed precision: the parameters a 16-bit model trains are its optimizer's float32 masters (``masters``), so
+θ, Δ and the outer step are float32 over the masters, and the 16-bit parameters are the masters rounded —
+averaging the 16-bit copies instead would be undone by the next inner step, which rewrites them from the
+masters. Bytes then count 4 per parameter.
+
 Deep dive, with measurements: docs/compression.md.
 """
 from __future__ import annotations
@@ -25,19 +30,26 @@ from typing import Any
 from minipar.backend import xp
 from minipar.comm import Communicator, Handle
 from minipar.nn import Module
-from minipar.parallel.data_parallel import broadcast_parameters, make_buckets
+from minipar.parallel.data_parallel import broadcast_parameters
 
 
 class LocalSGD:
     def __init__(self, model: Module, comm: Communicator, sync_every: int, outer_lr: float = 0.7,
-                 outer_momentum: float = 0.9, nesterov: bool = True, staleness: int = 0):
+                 outer_momentum: float = 0.9, nesterov: bool = True, staleness: int = 0,
+                 masters: list[Any] | None = None):
+        """``masters``: per parameter (model.parameters() order) the float32 master the inner optimizer updates,
+        or None where the parameter is its own master (module docstring, mixed precision)."""
         if sync_every < 1 or staleness < 0:
             raise ValueError(f"local SGD needs sync_every >= 1 and staleness >= 0, got {sync_every}, {staleness}")
         self.comm, self.sync_every, self.staleness = comm, sync_every, staleness
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.params = model.parameters()
         broadcast_parameters([(self.params, comm, 1.0)])
-        (self.layout,) = make_buckets(self.params, float("inf"))  # one flat buffer (one dtype in a GPT)
+        self.masters = masters or [None] * len(self.params)
+        for p, w in zip(self.params, self.masters):  # the broadcast reached the 16-bit copies: the masters follow
+            if w is not None:
+                w[...] = p.data.astype(w.dtype)
+        self.weights = [p.data if w is None else w for p, w in zip(self.params, self.masters)]  # what θ is
         self.global_params = self._flatten()                       # θ: identical on every rank
         self.anchor = self.global_params.copy()                    # θ_local at the start of this round
         self.velocity = xp.zeros_like(self.global_params)
@@ -46,11 +58,15 @@ class LocalSGD:
         self.rounds = 0
 
     def _flatten(self) -> Any:
-        return self.layout.flatten([p.data for p in self.params])
+        return xp.concatenate([w.reshape(-1) for w in self.weights])
 
     def _set_local(self, flat: Any) -> None:
-        for i, p in enumerate(self.params):
-            p.data[...] = self.layout.slot(flat, i)
+        offset = 0
+        for p, w in zip(self.params, self.weights):
+            w[...] = flat[offset:offset + w.size].reshape(w.shape)
+            if w is not p.data:
+                p.data[...] = w.astype(p.dtype)  # the 16-bit copy: the master rounded, as the optimizer writes it
+            offset += w.size
 
     def _outer_step(self, mean_delta: Any) -> None:
         self.velocity *= self.outer_momentum
