@@ -130,23 +130,26 @@ def test_train_auto_picks_a_layout_and_trains_correctly(tmp_path, memory):
 
 
 def test_recomputation_options_follow_the_engine():
-    """Full recomputation is not enumerated with experts or ZB-H1, selective not with context parallelism."""
+    """Full recomputation is enumerated with experts and ZB-H1 (both compose now), selective not with context
+    parallelism."""
     deep = GPTConfig(vocab_size=256, block_size=64, n_layer=8, n_head=4, n_embd=64)
     moe = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64, n_expert=4)
     layouts = planner.enumerate_layouts(deep, 8, 16, recompute=True) + planner.enumerate_layouts(moe, 8, 16, recompute=True)
     modes = {(lay.schedule, lay.cp > 1, lay.recompute) for lay in layouts}
     assert ("1f1b", False, "full") in modes and ("zb-h1", False, "selective") in modes
-    assert not [lay for lay in layouts if lay.recompute == "full" and lay.schedule == "zb-h1"]
+    assert ("zb-h1", False, "full") in modes and ("dualpipev", False, "full") in modes
     assert not [lay for lay in layouts if lay.recompute == "selective" and lay.cp > 1]
-    assert {lay.recompute for lay in planner.enumerate_layouts(moe, 8, 16, recompute=True)} == {"none", "selective"}
+    assert {lay.recompute for lay in planner.enumerate_layouts(moe, 8, 16, recompute=True)} == {"none", "selective", "full"}
 
 
 def test_expert_terms_and_layouts():
-    """Experts: ep | dp and ep | E, no pp/cp/sp; expert states 1/ep per rank, reduced over dp/ep; exchanges cost."""
+    """Experts: ep | dp and ep | E, with pp but no cp/sp; expert states 1/ep per rank, reduced over dp/ep; exchanges
+    cost."""
     moe = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64, n_expert=4)
     layouts = planner.enumerate_layouts(moe, 8, 16)
     assert {lay.ep for lay in layouts} == {1, 2, 4}
-    assert all(lay.dp % lay.ep == 0 and lay.pp == lay.cp == 1 and not lay.sp for lay in layouts)
+    assert all(lay.dp % lay.ep == 0 and lay.cp == 1 and not lay.sp for lay in layouts)
+    assert {lay.pp for lay in layouts} == {1, 2, 4}
     assert {lay.ep for lay in planner.enumerate_layouts(CFG, 8, 16)} == {1}
     profile = planner.BUILTIN_PROFILES["a100-80gb"]
     experts = moe.n_layer * moe.n_expert * (8 * 64 * 64 + 5 * 64)
