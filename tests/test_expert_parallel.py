@@ -1,7 +1,7 @@
 """Expert parallelism: the mesh's ep groups; one MoE layer across ep ranks against the single-process
 layer (outputs, balancing loss, gradients, the rows and bytes exchanged); training with --ep equal to
 single-process training (float64, 20 steps, losses and final parameters, with and without dropped
-tokens, with --tp and --zero); checkpoints across ep; bad layouts refused before communicating."""
+tokens, with --tp and --zero); experts under a pipeline and on sequence pieces (--cp, --sp); checkpoints across ep; bad layouts refused before communicating."""
 import sys
 
 import numpy as np
@@ -169,6 +169,33 @@ def test_experts_under_a_pipeline(tmp_path, singles, dp, ep, extra):
         np.testing.assert_allclose(val(result[0]), val(evaluated), rtol=1e-9)
 
 
+SEQUENCE_CASES = [(2, ["--cp", "2"]), (2, ["--cp", "2", "--cp-kind", "ulysses"]),
+                  (4, ["--cp", "4", "--cp-split", "contiguous"]), (2, ["--tp", "2", "--sp"]),
+                  (4, ["--cp", "2", "--tp", "2", "--sp"]), (4, ["--cp", "2", "--dp", "2", "--ep", "2"]),
+                  (4, ["--cp", "2", "--pp", "2", "--microbatches", "2", "--schedule", "zb-h1"])]
+
+
+@pytest.mark.parametrize("ranks,extra", SEQUENCE_CASES)
+def test_experts_on_sequence_pieces(tmp_path, singles, ranks, extra):
+    """--cp: the cp ranks route their sequences' pieces as one group (capacity, priority and balancing loss over
+    the whole sequences); --sp: the MoE MLP runs whole on the gathered sequence. With tokens dropped, equal to one
+    process routing dp·m microbatches of whole sequences; the exchanges send exactly the stated bytes."""
+    flag = lambda name: int(extra[extra.index(name) + 1]) if name in extra else 1  # noqa: E731
+    dp, m, cp, tp, top_k = flag("--dp"), flag("--microbatches"), flag("--cp"), flag("--tp"), 2
+    result = train([*model(0.5), *extra], ranks, tmp_path, "seq")
+    reference = singles(0.5, dp * m)
+    assert_same_training(result, reference)
+    for record, ref in zip(result[0], reference[0]):
+        assert record["experts"] == {**ref["experts"], **{k: record["experts"][k] for k in ("rows_out", "rows_in")
+                                                           if k in record["experts"]}}
+        assert record["experts"]["dropped_fraction"] > 0
+        counted = record["comm_bytes_by_op"]
+        rows, layers = B // (dp * m), L // flag("--pp")  # per microbatch and layer this rank holds
+        assert counted.get("cp_moe_route", 0) == layers * m * (cp - 1) * rows * (T // cp) * top_k * 8
+        sp_bytes = layers * m * (tp - 1) * rows * (T // cp // tp) * C * 8 if "--sp" in extra else 0
+        assert counted.get("sp_moe_forward", 0) == counted.get("sp_moe_backward", 0) == sp_bytes
+
+
 def test_checkpoints_reshard_across_ep(tmp_path, singles):
     """Saved at step 10 with ep 2 (dp 2), resumed with ep 1 (dp 2) and on one process: the same trajectory."""
     save = str(tmp_path / "save")
@@ -196,7 +223,6 @@ def test_progress_line_reports_drops_and_expert_load():
     (3, ["--n-expert", "4", "--ep", "2"], "--ep 2 must divide --dp 3"),
     (1, ["--n-expert", "2", "--expert-top-k", "3"], "--expert-top-k 3 must be between 1 and --n-expert 2"),
     (2, ["--ep", "2"], "--ep splits the experts of a mixture-of-experts model: pass --n-expert"),
-    (2, ["--n-expert", "4", "--cp", "2"], "--cp is not supported with --n-expert yet"),
     (1, ["--n-expert", "4", "--out", "x"], "--out writes Hugging Face GPT-2"),
     (2, ["--n-expert", "4", "--ep", "2", "--compression", "topk"], "use it without --local-sgd and --compression"),
     (1, ["--ep", "0"], "--ep must be positive"),

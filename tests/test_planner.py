@@ -143,13 +143,28 @@ def test_recomputation_options_follow_the_engine():
 
 
 def test_expert_terms_and_layouts():
-    """Experts: ep | dp and ep | E, with pp but no cp/sp; expert states 1/ep per rank, reduced over dp/ep; exchanges
-    cost."""
+    """Experts: ep | dp and ep | E, with pp, cp and sp; expert states 1/ep per rank, reduced over dp/ep; exchanges
+    cost; under tp a MoE MLP makes no all-reduce, under sp it gathers (half an all-reduce each way), under cp it
+    gathers the routing choices."""
     moe = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64, n_expert=4)
     layouts = planner.enumerate_layouts(moe, 8, 16)
     assert {lay.ep for lay in layouts} == {1, 2, 4}
-    assert all(lay.dp % lay.ep == 0 and lay.cp == 1 and not lay.sp for lay in layouts)
-    assert {lay.pp for lay in layouts} == {1, 2, 4}
+    assert all(lay.dp % lay.ep == 0 for lay in layouts)
+    assert {lay.pp for lay in layouts} == {1, 2, 4} and {lay.cp for lay in layouts} == {1, 2, 4, 8}
+    assert any(lay.sp for lay in layouts) and any(lay.cp > 1 and lay.ep > 1 for lay in layouts)
+    link = planner.Link(1e-5, 1e-9)
+    profile = planner.Profile("test", 1e12, 1e11, 0.0, 1e12, 8, link, link)
+    tp_comm = {(sp, E): planner.predict(GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64,
+                                                  n_expert=E), 16, planner.Layout(1, 2, 1, sp=sp), profile)
+               .breakdown["tp_comm"] for sp in (False, True) for E in (0, 4)}
+    per_layer = lambda n: (n * 4 + 2)  # noqa: E731  (4 layers, + the head's 2)
+    assert tp_comm[False, 4] / tp_comm[False, 0] == pytest.approx(per_layer(2) / per_layer(4), rel=1e-12)
+    assert tp_comm[True, 4] / tp_comm[False, 0] == pytest.approx(per_layer(3) / per_layer(4), rel=1e-12)
+    routed = planner.predict(moe, 16, planner.Layout(1, 1, 1, cp=2), profile).breakdown["cp_comm"]
+    dense = planner.predict(GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64), 16,
+                            planner.Layout(1, 1, 1, cp=2), profile).breakdown["cp_comm"]
+    t = 16 * 64 / 2  # tokens per rank (one microbatch)
+    assert routed - dense == pytest.approx(4 * (link.alpha + t * 2 * 8 * link.beta), rel=1e-12)
     assert {lay.ep for lay in planner.enumerate_layouts(CFG, 8, 16)} == {1}
     profile = planner.BUILTIN_PROFILES["a100-80gb"]
     experts = moe.n_layer * moe.n_expert * (8 * 64 * 64 + 5 * 64)

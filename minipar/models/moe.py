@@ -4,7 +4,8 @@
     choose   the k experts of largest p (ties: the lower index)
     gates    k = 1: g = p_e (Switch: the router probability itself, so the router learns);
              k > 1: g_j = p_{e_j} / Σ_{j'} p_{e_j'} (Mixtral: renormalized over the k chosen)
-    capacity every expert takes at most ⌈c·k·N/E⌉ of the N·k assignments of a batch of N tokens;
+    capacity every expert takes at most ⌈c·k·N/E⌉ of the N·k assignments of a routing group of N tokens
+             (one rank's microbatch; under context parallelism its whole sequences, over the cp ranks);
              priority: all first choices before any second choice, and within one choice rank the
              earlier token first (GShard). An assignment past capacity is dropped: that expert adds
              nothing for that token (the residual connection carries it on).
@@ -12,7 +13,9 @@
              (E, capacity, C) buffer gathered from the tokens (empty slots read a zero row)
     combine  out_n = Σ_j g_{n,j} · y_{e_{n,j}}[slot of n]
     balance  aux = E · Σ_i f_i · P_i (Switch): f_i the share of the N·k assignments routed to expert i
-             (before dropping; no gradient), P_i the mean router probability of expert i
+             (before dropping; no gradient), P_i the mean router probability of expert i. Under context
+             parallelism each cp rank weighs its own tokens' mean probabilities by the group's f_i: the
+             average over the cp ranks, which the gradient average takes, is the group's aux
 
 The GPT adds ``aux_loss_coef`` × the sum of its layers' aux to the language-model loss. Routing
 decisions (which expert, which slot) are index computations without gradient; everything they
@@ -36,21 +39,42 @@ from minipar.nn import Linear, Module, Parameter
 def route(probs: np.ndarray, k: int, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(chosen (N, k) experts, slot (N, k) in the flattened (E·capacity) buffer or −1 if dropped, counts (E,) of
     assignments each expert received before dropping) for router probabilities ``probs`` (N, E)."""
-    N, E = probs.shape
-    chosen = np.argsort(-probs, axis=1, kind="stable")[:, :k]
+    E = probs.shape[1]
+    chosen = top_k_experts(probs, k)
+    return chosen, priority_slots(chosen, E, capacity), np.bincount(chosen.ravel(), minlength=E)
+
+
+def top_k_experts(probs: np.ndarray, k: int) -> np.ndarray:
+    """The k experts of largest probability per token, (N, k), ties to the lower index."""
+    return np.argsort(-probs, axis=1, kind="stable")[:, :k]
+
+
+def priority_slots(chosen: np.ndarray, n_expert: int, capacity: int) -> np.ndarray:
+    """Slot (N, k) of every assignment in the flattened (E·capacity) buffer, −1 where it is dropped: all first
+    choices before any second choice, within a choice rank the earlier token first (GShard)."""
+    N, k = chosen.shape
     slot = np.full((N, k), -1, np.int64)
-    filled = np.zeros(E, np.int64)
-    for j in range(k):  # first choices first; within a choice rank, token order
+    filled = np.zeros(n_expert, np.int64)
+    for j in range(k):
         experts = chosen[:, j]
         order = np.argsort(experts, kind="stable")
-        starts = np.searchsorted(experts[order], np.arange(E))
+        starts = np.searchsorted(experts[order], np.arange(n_expert))
         rank = np.empty(N, np.int64)
         rank[order] = np.arange(N) - starts[experts[order]]
         position = filled[experts] + rank
         kept = position < capacity
         slot[kept, j] = experts[kept] * capacity + position[kept]
-        filled += np.bincount(experts, minlength=E)
-    return chosen, slot, np.bincount(chosen.ravel(), minlength=E)
+        filled += np.bincount(experts, minlength=n_expert)
+    return slot
+
+
+def pack_slots(chosen: np.ndarray, kept: np.ndarray, n_expert: int) -> tuple[np.ndarray, int]:
+    """(slot (N, k) or −1, width): the ``kept`` assignments, in priority order, in a (E·width) buffer just wide
+    enough for the fullest expert — a rank's share of a routing group that other ranks share too."""
+    load = np.bincount(chosen[kept], minlength=n_expert)
+    width = max(1, int(load.max()))
+    slot = priority_slots(np.where(kept, chosen, n_expert), n_expert + 1, width)  # dropped: a sentinel expert
+    return np.where(kept, slot, -1), width
 
 
 class MoEMLP(Module):
@@ -77,8 +101,8 @@ class MoEMLP(Module):
         E, k, N = self.n_expert, self.top_k, B * T
         flat = x.reshape(N, C)
         probs = ops.softmax(self.router(flat), axis=-1)
-        cap = self.capacity(N)
-        chosen, slot, assigned = route(to_host(probs.data), k, cap)
+        chosen = top_k_experts(to_host(probs.data), k)
+        slot, assigned, n_group, cap = self.admit(chosen.reshape(B, T, k))
         rows = np.repeat(np.arange(N)[:, None], k, axis=1)
         gates = probs[to_device(rows), to_device(chosen)]  # (N, k)
         if k > 1:
@@ -95,7 +119,7 @@ class MoEMLP(Module):
         outputs = ops.concat([expert_out.reshape(E * cap, C), Tensor(xp.zeros((1, C), dtype=flat.dtype))], axis=0)
         picked = outputs[to_device(np.where(kept, slot, E * cap))]  # (N, k, C)
         y = (picked * gates.reshape(N, k, 1)).sum(axis=1)
-        share = to_device(assigned / (k * N), dtype=probs.dtype)
+        share = to_device(assigned / (k * n_group), dtype=probs.dtype)  # f_i over the routing group
         self.aux_loss = (probs.mean(axis=0) * Tensor(share)).sum() * float(E)
         self.stats = {"dropped_fraction": 1.0 - kept.sum() / (N * k), "expert_load_min": int(load.min()),
                       "expert_load_max": int(load.max())}
@@ -104,6 +128,15 @@ class MoEMLP(Module):
             self.tally["kept"] += int(kept.sum())
             self.tally["load"] += load
         return y.reshape(B, T, C)
+
+    def admit(self, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Which of the (B, T, k) chosen assignments the routing group keeps: (slot (B·T, k) in the (E·width)
+        buffer or −1, assignments per expert (E,) and tokens N of the whole group, width). The group is this
+        forward's tokens; context parallelism replaces this with a group spanning the cp ranks' pieces."""
+        flat = chosen.reshape(-1, chosen.shape[-1])
+        capacity = self.capacity(len(flat))
+        return (priority_slots(flat, self.n_expert, capacity), np.bincount(flat.ravel(), minlength=self.n_expert),
+                len(flat), capacity)
 
     def run_experts(self, padded: Tensor, tokens: np.ndarray, load: np.ndarray) -> Tensor:
         """Every expert on its slots: (E, capacity, C) outputs for the (E, capacity) token indices into ``padded``

@@ -29,6 +29,13 @@ over its T/cp positions, and parameters are replicated over cp like over dp, so 
 over the dp×cp ranks (``Mesh.grad_comm``) gives the gradient of the mean over all tokens — autograd's
 backward through the exchanges routes every rank's share of every other rank's loss to where it belongs.
 
+A mixture-of-experts layer routes the whole sequences of its cp ranks as one group, as one process
+routes them (:func:`admit_across`): each rank all-gathers the experts its tokens chose (B·(T/cp)·k
+integers), places every rank's choices at their true positions and applies the capacity and priority
+rule to the whole group; it keeps its own kept assignments and computes them itself. The balancing
+loss weighs this rank's mean router probabilities by the group's assignment shares, so the average
+over the cp ranks is the group's loss.
+
 Constraints: T divisible by cp (contiguous) or 2·cp (zigzag); for Ulysses the heads a rank holds
 (n_head / tp) divisible by cp.
 
@@ -47,6 +54,7 @@ from minipar.autograd import Context, Function, Tensor
 from minipar.backend import is_low_precision, to_device, xp
 from minipar.comm import Communicator
 from minipar.models.gpt import GPT
+from minipar.models.moe import MoEMLP, pack_slots, priority_slots
 
 KINDS = ("ring", "ulysses")          # the --cp-kind choices
 SPLITS = ("zigzag", "contiguous")    # the --cp-split choices
@@ -252,6 +260,23 @@ def context_slice(a: np.ndarray, comm: Communicator, split: str) -> np.ndarray:
     return a[:, chunk_positions(comm.rank, comm.size, a.shape[1] // comm.size, split)]
 
 
+def admit_across(mlp: MoEMLP, comm: Communicator, split: str, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray,
+                                                                                          int, int]:
+    """MoEMLP.admit for a routing group of whole sequences split over the ``comm`` ranks: this rank's (B, t, k)
+    choices, all-gathered (B·t·k integers from every rank), placed at their global positions; the capacity and
+    priority rule over all of them decides which of this rank's assignments are kept."""
+    B, t, k = chosen.shape
+    n, E, T = comm.size, mlp.n_expert, t * comm.size
+    pieces = comm.all_gather(np.ascontiguousarray(chosen, np.int64).reshape(-1), label="cp_moe_route").reshape(n, B, t, k)
+    group = np.empty((B, T, k), np.int64)
+    for rank in range(n):
+        group[:, chunk_positions(rank, n, t, split)] = pieces[rank]
+    group_slot = priority_slots(group.reshape(B * T, k), E, mlp.capacity(B * T)).reshape(B, T, k)
+    kept = group_slot[:, chunk_positions(comm.rank, n, t, split)].reshape(B * t, k) >= 0
+    slot, width = pack_slots(chosen.reshape(B * t, k), kept, E)
+    return slot, np.bincount(group.ravel(), minlength=E), B * T, width
+
+
 def context_parallel(model: GPT, comm: Communicator, kind: str = "ring", split: str = "zigzag") -> GPT:
     """Make ``model`` attend across the ``comm`` ranks that split each sequence (in place); returns it.
     ``model.context_work`` counts the attention work of this rank and its waits (ring attention)."""
@@ -261,4 +286,6 @@ def context_parallel(model: GPT, comm: Communicator, kind: str = "ring", split: 
     model.context_work = {"pairs": 0, "wait_s": 0.0}
     for block in model.transformer.h:
         block.attn.core = UlyssesAttention(comm) if kind == "ulysses" else RingAttentionCore(comm, split, model.context_work)
+        if isinstance(block.mlp, MoEMLP):
+            block.mlp.admit = lambda chosen, mlp=block.mlp: admit_across(mlp, comm, split, chosen)
     return model

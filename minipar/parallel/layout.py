@@ -111,9 +111,6 @@ class Layout:
         check_tensor_parallel(cfg, self.tp, self.sp)
         check_expert_parallel(cfg, self.ep, self.dp)
         if cfg.n_expert:
-            for flag, on in (("--cp", self.cp > 1), ("--sp", self.sp)):
-                if on:  # cp/sp: routing groups would be sequence pieces
-                    raise ValueError(f"{flag} is not supported with --n-expert yet (use --dp/--ep/--tp/--pp/--zero)")
             if self.ep > 1 and (self.local_sgd or self.compression != "none"):
                 raise ValueError("--ep reduces expert gradients over their own replicas: use it without --local-sgd "
                                  "and --compression")

@@ -34,7 +34,9 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
               parallelism over ep of the dp ranks: per layer and microbatch a counts all-to-all, then
               dispatch and combine forward and both again backward, each a pairwise all-to-all of
               k·t·C·itemsize bytes ((ep−1)α + (ep−1)/ep·nβ); expert parameters are 1/ep per rank and
-              reduce over dp·cp/ep ranks
+              reduce over dp·cp/ep ranks. Under tp a MoE MLP needs no all-reduce (2 per layer, not 4);
+              under sp it gathers its input and the gradient of its output (1 all-reduce's worth more);
+              under cp each MoE layer all-gathers the routing choices, t·k int64 per rank
     links     a group inside one node (``devices_per_node``) uses ``intra``, else ``inter`` (α, β)
 
 Memory per device: model states (``model_state_bytes``; mixed precision 16Ψ_l (DP), 4Ψ_l + 12Ψ_l/dp (ZeRO-1),
@@ -186,10 +188,17 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     layer_time = (layer_flops / flops + layer_bytes / profile.bandwidth + profile.ops_per_layer * profile.op_overhead)
     head_time = 6 * t * C * V / tp / flops + 4 * t * V / tp * itemsize / profile.bandwidth
     tp_link = profile.link(tp, tp)
-    all_reduces = 6 if recompute == "full" else 4  # per layer: 2 forward, 2 backward, 2 in the recomputed forward
+    # per layer and forward pass, in ring all-reduces of t·C: attention 1 and the MLP 1 — a MoE MLP none, or
+    # under sp its all-gather in (half an all-reduce); backward the same again, the recomputed forward too
+    forward_all_reduces = 1 + ((0.5 if layout.sp else 0.0) if cfg.n_expert else 1.0)
+    all_reduces = forward_all_reduces * (3 if recompute == "full" else 2)
     tp_time = (all_reduces * L / pp + 2) * _ring_all_reduce(t * C * itemsize, tp, tp_link) if tp > 1 else 0.0
+    cp_link = profile.link(cp, cp * tp)
     cp_time = math.ceil(L / pp) * context_time(layout, t * C / tp * itemsize, attention_flops / flops / cp,
-                                               profile.link(cp, cp * tp)) if cp > 1 else 0.0
+                                               cp_link) if cp > 1 else 0.0
+    if cp > 1 and cfg.n_expert:  # each MoE layer's routing: an all-gather of the k experts of t tokens (int64)
+        route = (cp - 1) * (cp_link.alpha + t * cfg.expert_top_k * 8 * cp_link.beta)
+        cp_time += math.ceil(L / pp) * route * (2 if recompute == "full" else 1)
     ep_time = math.ceil(L / pp) * expert_time(cfg, layout, t * C * itemsize, profile.link(layout.ep, layout.ep * cp * tp))
     pp_link = profile.link(world, world)
     pipeline = layout.pipeline_schedule()

@@ -26,7 +26,8 @@ all-reduces of B·T numbers); its backward, softmax − onehot on the local slic
 vocabulary columns are masked to −∞, so the loss is the unpadded one.
 
 Parameters that every tp rank holds whole (layer norms, wpe, row-parallel biases, mixture-of-experts
-MLPs, which run whole on the replicated tokens) receive
+MLPs, which run whole on the replicated tokens — under sequence parallelism on the gathered sequence:
+an all-gather of B·T·C in, this rank's shard out, an all-gather of its gradient back) receive
 identical gradients on every rank; ``norm_scale`` marks them so a global gradient norm counts
 them once.
 
@@ -107,18 +108,43 @@ def reduce_scatter_sequence(comm: Communicator, y: Any, label: str) -> Any:
 
 
 class GatherSequence(Function):
-    """ḡ: all-gather along the sequence forward, reduce-scatter of the (partial) gradient backward."""
+    """ḡ: all-gather along the sequence forward, reduce-scatter of the (partial) gradient backward. With
+    ``replicated`` the ranks go on to compute the same thing on the whole sequence, so each already holds the
+    whole gradient: backward keeps this rank's shard of it (Megatron's gather without a reduce-scatter)."""
 
     autocast = False  # moves data: keeps its dtype (16-bit messages under mixed precision)
 
     @staticmethod
-    def forward(ctx: Context, x: Any, comm: Communicator, label: str = "sp") -> Any:
-        ctx.comm, ctx.label = comm, label
+    def forward(ctx: Context, x: Any, comm: Communicator, label: str = "sp", replicated: bool = False) -> Any:
+        ctx.comm, ctx.label, ctx.replicated = comm, label, replicated
         return gather_sequence(comm, x, f"{label}_forward")
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
-        return reduce_scatter_sequence(ctx.comm, g, f"{ctx.label}_backward"), None, None
+        if ctx.replicated:
+            return own_shard(ctx.comm, g), None, None, None
+        return reduce_scatter_sequence(ctx.comm, g, f"{ctx.label}_backward"), None, None, None
+
+
+class ScatterSequence(Function):
+    """This rank's shard of a (B, T, C) tensor every tp rank holds whole; backward all-gathers the gradient."""
+
+    autocast = False
+
+    @staticmethod
+    def forward(ctx: Context, y: Any, comm: Communicator, label: str = "sp") -> Any:
+        ctx.comm, ctx.label = comm, label
+        return own_shard(comm, y)
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        return gather_sequence(ctx.comm, g, f"{ctx.label}_backward"), None, None
+
+
+def own_shard(comm: Communicator, y: Any) -> Any:
+    """Positions [r·T/tp, (r+1)·T/tp) of a (B, T, C) tensor."""
+    t = y.shape[1] // comm.size
+    return xp.ascontiguousarray(y[:, comm.rank * t:(comm.rank + 1) * t])
 
 
 class ReduceScatterSequence(Function):
@@ -351,6 +377,9 @@ def tensor_parallel(model: GPT, comm: Communicator, sequence_parallel: bool = Fa
         if sp:
             block.ln_1 = SequenceParallelLayerNorm(block.ln_1.weight, block.ln_1.bias, block.ln_1.eps, comm)
             block.ln_2 = SequenceParallelLayerNorm(block.ln_2.weight, block.ln_2.bias, block.ln_2.eps, comm)
+            if cfg.n_expert:  # the MoE MLP runs whole on the gathered sequence; the residual keeps this shard
+                block.ln_2.register_forward_hook(lambda _, h: GatherSequence.apply(h, comm, "sp_moe", True))
+                block.mlp.register_forward_hook(lambda _, y: ScatterSequence.apply(y, comm, "sp_moe"))
     if sp:
         ln_f = model.transformer.ln_f
         model.transformer.ln_f = SequenceParallelLayerNorm(ln_f.weight, ln_f.bias, ln_f.eps, comm)
