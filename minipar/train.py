@@ -365,8 +365,9 @@ def build_engine(model: GPT, mesh: Mesh, args: argparse.Namespace) -> tuple[Any,
         return DataParallel(model, alone), AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     if args.zero:
         engine = ZeRO(model, mesh.shard_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
-                      bucket_mb=args.bucket_mb, expert_comm=experts, replicas=mesh.shard_replica_comm,
-                      prefetch=not args.no_prefetch, reduce_dtype=reduce_dtype)
+                      bucket_mb=args.bucket_mb, expert_comm=mesh.expert_shard_comm if experts else None,
+                      replicas=mesh.shard_replica_comm, prefetch=not args.no_prefetch, reduce_dtype=reduce_dtype,
+                      expert_replicas=mesh.expert_shard_replica_comm)
         return engine, engine
     compression = make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)
     return (DataParallel(model, comm, args.bucket_mb, compression=compression, expert_comm=experts,

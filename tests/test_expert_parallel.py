@@ -129,7 +129,9 @@ def singles(tmp_path_factory):
 CASES = ([(capacity, ep, dp, []) for capacity in (4.0, 0.5) for ep, dp in ((2, 2), (2, 4), (4, 4), (4, 8))]
          + [(0.5, ep, dp, extra) for ep, dp, extra in ((2, 2, ["--tp", "2"]), (2, 4, ["--zero", "1"]),
                                                         (2, 4, ["--zero", "2"]), (2, 2, ["--zero", "3"]),
-                                                        (2, 2, ["--zero", "3", "--tp", "2"]))])
+                                                        (2, 2, ["--zero", "3", "--tp", "2"]),
+                                                        (2, 4, ["--zero", "3", "--shard-group", "2"]),
+                                                        (2, 4, ["--zero", "1", "--shard-group", "2"]))])
 
 
 @pytest.mark.parametrize("capacity,ep,dp,extra", CASES)
@@ -172,7 +174,8 @@ def test_experts_under_a_pipeline(tmp_path, singles, dp, ep, extra):
 SEQUENCE_CASES = [(2, ["--cp", "2"]), (2, ["--cp", "2", "--cp-kind", "ulysses"]),
                   (4, ["--cp", "4", "--cp-split", "contiguous"]), (2, ["--tp", "2", "--sp"]),
                   (4, ["--cp", "2", "--tp", "2", "--sp"]), (4, ["--cp", "2", "--dp", "2", "--ep", "2"]),
-                  (4, ["--cp", "2", "--pp", "2", "--microbatches", "2", "--schedule", "zb-h1"])]
+                  (4, ["--cp", "2", "--pp", "2", "--microbatches", "2", "--schedule", "zb-h1"]),
+                  (4, ["--cp", "2", "--dp", "2", "--ep", "2", "--zero", "2", "--shard-group", "2"])]
 
 
 @pytest.mark.parametrize("ranks,extra", SEQUENCE_CASES)
@@ -207,6 +210,49 @@ def test_checkpoints_reshard_across_ep(tmp_path, singles):
         assert [r["step"] for r in records] == list(range(11, 21))
         assert_same_training(([{"loss": r["loss"]} for r in records], params), (expected, reference[1]))
     assert str(load_checkpoint(save).layout) == "dp2·tp1·pp1·ep2 zero0 m1"
+
+
+def test_hybrid_sharding_groups_for_experts():
+    """--shard-group with --ep: the experts of an ep rank shard within a shard group over equal groups of ranks —
+    accepted exactly when every (shard group, ep rank) pair present counts as many dp·cp replicas (enumerated
+    here independently of Layout); the mesh's expert shard and replica groups then tile expert_grad_comm."""
+    from minipar.models.gpt import GPTConfig
+    from minipar.parallel.layout import Layout
+
+    cfg = GPTConfig(vocab_size=64, block_size=12, n_layer=2, n_head=2, n_embd=8, n_expert=4)
+    seen = set()
+    for dp, cp, ep in ((2, 1, 2), (4, 1, 2), (4, 1, 4), (2, 2, 2), (2, 3, 2), (4, 2, 2), (4, 2, 4), (6, 1, 2)):
+        for k in (d for d in range(1, dp * cp) if dp * cp % d == 0):
+            groups = {}
+            for dp_rank in range(dp):
+                for cp_rank in range(cp):
+                    key = ((dp_rank * cp + cp_rank) // k, dp_rank % ep)
+                    groups[key] = groups.get(key, 0) + 1
+            layout = Layout(dp=dp, cp=cp, ep=ep, zero=3, shard_group=k, cp_kind="ring", cp_split="contiguous")
+            uniform = len(set(groups.values())) == 1
+            assert layout.accepts(cfg, 12 * dp) == uniform, (dp, cp, ep, k)
+            seen.add(uniform)
+            if not uniform:
+                with pytest.raises(ValueError, match=f"--shard-group {k} with --ep {ep}: each shard group"):
+                    layout.validate(cfg, 12 * dp)
+    assert seen == {True, False}
+    run_ranks(8, _expert_shard_groups)
+
+
+def _expert_shard_groups():
+    from minipar.comm import Communicator
+    from minipar.parallel.mesh import Mesh
+
+    world = Communicator()
+    mesh = Mesh(world, dp=4, cp=2, ep=2, shard_group=4)  # shard groups: dp ranks {0, 1} and {2, 3}, both cp ranks
+    members = lambda comm: sorted(int(r) for r in comm.all_gather(np.array([world.rank])))  # noqa: E731
+    dp_rank = world.rank // 2  # rank = dp_rank·cp + cp_rank
+    group = [r for r in range(8) if r // 4 == world.rank // 4 and (r // 2) % 2 == dp_rank % 2]
+    assert members(mesh.expert_shard_comm) == group  # this shard group's ranks with this rank's experts
+    index = group.index(world.rank)
+    assert members(mesh.expert_shard_replica_comm) == [r for r in range(8) if (r // 2) % 2 == dp_rank % 2 and
+                                                       [q for q in range(8) if q // 4 == r // 4 and
+                                                        (q // 2) % 2 == dp_rank % 2].index(r) == index]
 
 
 def test_progress_line_reports_drops_and_expert_load():

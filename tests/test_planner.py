@@ -175,6 +175,10 @@ def test_expert_terms_and_layouts():
         assert (pred.breakdown["ep_comm"] > 0) == (ep > 1)
         zero3 = planner.predict(moe, 16, planner.Layout(4, 1, 1, 3, 1, ep=ep), profile)
         assert zero3.breakdown["model_states"] == pytest.approx(16 * dense / 4 + 16 * experts / ep / (4 // ep))
+    hybrid = planner.predict(moe, 16, planner.Layout(4, 1, 1, 3, 1, ep=2, shard_group=2), profile)
+    # dense: sharded over K = 2; experts: each shard group {0, 1}, {2, 3} holds one rank of each ep rank
+    assert hybrid.breakdown["model_states"] == pytest.approx(16 * dense / 2 + 16 * experts / 2)
+    assert any(lay.shard_group and lay.ep > 1 for lay in planner.enumerate_layouts(moe, 8, 16))
     flags = planner.Layout(4, 2, 1, 1, 1, ep=2).flags()
     assert flags[flags.index("--ep") + 1] == "2" and "ep2" in str(planner.Layout(4, 1, 1, ep=2))
 

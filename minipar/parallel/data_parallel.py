@@ -80,20 +80,21 @@ def make_buckets(params: list[Parameter], bucket_bytes: float, comm: Communicato
     return buckets
 
 
-def replica_groups(params: list[Parameter], comm: Communicator,
-                   expert_comm: Communicator | None) -> list[tuple[list[Parameter], Communicator, float]]:
+def replica_groups(params: list[Parameter], comm: Communicator, expert_comm: Communicator | None,
+                   expert_scale: float | None = None) -> list[tuple[list[Parameter], Communicator, float]]:
     """(parameters, the ranks holding identical copies of them, gradient scale after averaging there).
 
     Every gradient must end as the average over ``comm``'s loss replicas. Dense parameters: average
     over ``comm``. Expert parameters (``p.expert``) with an ``expert_comm`` (the dp/ep ranks holding
-    the same experts): average there, times expert_comm.size / comm.size = 1/ep.
+    the same experts): average there, times expert_comm.size / comm.size = 1/ep (``expert_scale`` when
+    both are only the sharding part of their replicas, as under hybrid sharding).
     """
     if expert_comm is None or expert_comm is comm:
         return [(params, comm, 1.0)]
     dense = [p for p in params if not getattr(p, "expert", False)]
     experts = [p for p in params if getattr(p, "expert", False)]
-    return [(group, c, scale) for group, c, scale in ((dense, comm, 1.0), (experts, expert_comm, expert_comm.size / comm.size))
-            if group]
+    scale = expert_comm.size / comm.size if expert_scale is None else expert_scale
+    return [(group, c, s) for group, c, s in ((dense, comm, 1.0), (experts, expert_comm, scale)) if group]
 
 
 def gradient_ready_order(model: Module) -> list[Parameter]:

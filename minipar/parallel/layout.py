@@ -101,8 +101,10 @@ class Layout:
             if self.shard_group < 1 or replicas % self.shard_group:
                 raise ValueError(f"--shard-group {self.shard_group} must divide the {replicas} data-parallel "
                                  "replicas (dp·cp)")
-            if self.ep > 1:
-                raise ValueError("--shard-group with --ep is not supported yet")
+            if self.ep > 1 and len(self.expert_shard_sizes()) > 1:
+                raise ValueError(f"--shard-group {self.shard_group} with --ep {self.ep}: each shard group (runs of "
+                                 f"{self.shard_group} of the dp·cp replicas, cp fastest) must hold the same number of "
+                                 "ranks of every expert group it holds; a multiple of cp·ep or a divisor of cp does")
         if self.compression != "none" and self.zero:
             raise ValueError("--compression plugs into plain data parallelism: use it with --zero 0")
         if self.local_sgd and (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.zero or self.compression != "none"):
@@ -124,6 +126,16 @@ class Layout:
                                  f"{self.tp}: it must be divisible by it")
         pipeline = self.pipeline_schedule()  # the schedule's own arithmetic: microbatch groups, the V's 2·pp, …
         stage_blocks(cfg.n_layer, pipeline.n_stages, 0)
+
+    def expert_shard_sizes(self) -> set[int]:
+        """How many ranks shard the experts of one ep rank within one shard group, over every (group, ep rank) pair
+        present: one size when the layout is valid (mesh.expert_shard_comm); replica = dp_rank·cp + cp_rank."""
+        counts: dict[tuple[int, int], int] = {}
+        run = self.shard_group or self.dp * self.cp
+        for replica in range(self.dp * self.cp):
+            key = (replica // run, replica // self.cp % self.ep)
+            counts[key] = counts.get(key, 0) + 1
+        return set(counts.values())
 
     def pipeline_schedule(self) -> Schedule:
         """The schedule object of ``--schedule`` for these pp ranks, microbatches and virtual stages."""

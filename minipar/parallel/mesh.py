@@ -20,7 +20,9 @@ gradients reduce. With ep = 1 it is ``grad_comm``.
 
 Hybrid sharding (``shard_group`` K, FSDP's HYBRID_SHARD): ZeRO shards within runs of K consecutive
 grad_comm ranks (``shard_comm``) and replicates across the N/K runs (``shard_replica_comm``, the ranks
-with the same position in their run). Without it ZeRO shards over all of grad_comm.
+with the same position in their run). Without it ZeRO shards over all of grad_comm. Expert parameters
+shard among the ranks of a run that hold the same experts (``expert_shard_comm``) and replicate across
+the expert_grad_comm ranks with the same position there (``expert_shard_replica_comm``).
 
     mesh = Mesh(Communicator(), dp=2, tp=2, pp=2)   # 8 ranks
     mesh.tp_comm, mesh.dp_comm, mesh.pp_comm        # this rank's groups (and cp_comm, grad_comm, ep_comm, ...)
@@ -70,6 +72,11 @@ class Mesh:
             color=self.grad_comm.rank // k, name="shard")
         self.shard_replica_comm = self.grad_comm.split(color=self.grad_comm.rank % k, name="shard replicas") \
             if k < replicas else None
+        self.expert_shard_comm, self.expert_shard_replica_comm = self.expert_grad_comm, None
+        if k < replicas and ep > 1:  # experts shard among the ranks of this shard group that hold the same experts
+            self.expert_shard_comm = self.shard_comm.split(color=self.ep_rank, name="expert shard")
+            self.expert_shard_replica_comm = self.expert_grad_comm.split(color=self.expert_shard_comm.rank,
+                                                                         name="expert shard replicas")
 
     def _group(self, axes: list[str], coords: dict[str, int], name: str | None = None) -> Communicator:
         """The ranks whose coordinates differ from this rank's only along ``axes`` (key: their order there)."""

@@ -210,8 +210,7 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
 
     replicas = dp * cp  # gradients reduce, and ZeRO shards, over dp×cp (experts: over dp×cp/ep)
     dp_comm = optimizer_words = 0.0
-    for psi, group in local_parameter_groups(cfg, layout):
-        shards = layout.shard_group or group  # hybrid sharding: RS/AG within K ranks, all-reduce of Ψ/K across
+    for psi, group, shards in local_parameter_groups(cfg, layout):  # hybrid: RS/AG within K, all-reduce of Ψ/K across
         dp_comm += _ring_all_reduce(psi * itemsize, shards, profile.link(shards, shards * tp))
         dp_comm += _ring_all_reduce(psi / shards * itemsize, group // shards, profile.link(group // shards, replicas * tp))
         optimizer_words += 7 * 4 * psi / (shards if layout.zero else 1)
@@ -245,10 +244,11 @@ def expert_time(cfg: Any, layout: Layout, token_bytes: float, link: Link) -> flo
     return all_to_all(8 * cfg.n_expert) + 4 * all_to_all(cfg.expert_top_k * token_bytes)
 
 
-def local_parameter_groups(cfg: Any, layout: Layout) -> list[tuple[float, int]]:
-    """(parameters on the busiest rank, the ranks their gradients reduce over) per replica group: the dense
-    ones over dp·cp (÷tp, but for what every tp rank holds whole: layer norms, row-parallel biases, positions;
-    the vocabulary padded to a multiple of tp), the experts (÷ep, whole on every tp rank) over dp·cp/ep."""
+def local_parameter_groups(cfg: Any, layout: Layout) -> list[tuple[float, int, int]]:
+    """(parameters on the busiest rank, the ranks their gradients reduce over, the ranks ZeRO shards them over)
+    per replica group: the dense ones over dp·cp (÷tp, but for what every tp rank holds whole: layer norms,
+    row-parallel biases, positions; the vocabulary padded to a multiple of tp), sharded over K (hybrid) or all;
+    the experts (÷ep, whole on every tp rank) over dp·cp/ep, sharded within a group over its ranks with them."""
     C, tp, layers = cfg.n_embd, layout.tp, math.ceil(cfg.n_layer / layout.pp)
     total = stage_parameters(cfg, layout.pp)
     experts = layers * cfg.n_expert * (8 * C ** 2 + 5 * C)
@@ -256,8 +256,9 @@ def local_parameter_groups(cfg: Any, layout: Layout) -> list[tuple[float, int]]:
     table = cfg.vocab_size * C
     dense = (total - experts - whole - table) / tp + whole + math.ceil(cfg.vocab_size / tp) * C
     replicas = layout.dp * layout.cp
-    groups = [(dense, replicas)]
-    return groups + ([(experts / layout.ep, replicas // layout.ep)] if experts else [])
+    groups = [(dense, replicas, layout.shard_group or replicas)]
+    expert_shards = min(layout.expert_shard_sizes()) if layout.shard_group else replicas // layout.ep
+    return groups + ([(experts / layout.ep, replicas // layout.ep, expert_shards)] if experts else [])
 
 
 def context_time(layout: Layout, shard_bytes: float, block_attention: float, link: Link) -> float:
@@ -283,8 +284,8 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
     s = T / cp  # positions per rank
     t = b * s
     states = 0.0
-    for psi, n in local_parameter_groups(cfg, layout):  # ZeRO shards each group over its replicas (or K of them)
-        states += model_state_bytes(psi, layout.shard_group or n, layout.zero, itemsize)
+    for psi, _, shards in local_parameter_groups(cfg, layout):  # ZeRO shards each group over its shard ranks
+        states += model_state_bytes(psi, shards, layout.zero, itemsize)
     linear = 34 / tp if layout.sp else 10 + 24 / tp
     if cfg.n_expert:
         linear += 16 * (cfg.capacity_factor * cfg.expert_top_k - 1 / tp)

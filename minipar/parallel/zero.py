@@ -146,26 +146,31 @@ class ZeRO(ReplicatedModel, Optimizer):
     def __init__(self, model: Module, comm: Communicator, stage: int, lr: float = 3e-4,
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.1,
                  bucket_mb: float = 25.0, expert_comm: Communicator | None = None,
-                 replicas: Communicator | None = None, prefetch: bool = True, reduce_dtype: Any = None):
+                 replicas: Communicator | None = None, prefetch: bool = True, reduce_dtype: Any = None,
+                 expert_replicas: Communicator | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, got {stage}")
         ReplicatedModel.__init__(self, model)
         Optimizer.__init__(self, self.params, lr)
-        if replicas is not None and expert_comm is not None and expert_comm is not comm:
-            raise ValueError("hybrid sharding (--shard-group) with expert parallelism is not supported")
-        self.stage, self.replicas = stage, replicas if replicas is not None and replicas.size > 1 else None  # comm: per shard
+        self.stage = stage
+        # hybrid sharding: the ranks holding the same shard in the other groups, per sharding communicator
+        across = {id(comm): replicas, id(expert_comm): expert_replicas}
+        self.replicas_of = {key: c for key, c in across.items() if c is not None and c.size > 1}
+        span = lambda c: c.size * (across[id(c)].size if across.get(id(c)) else 1)  # noqa: E731  all its replicas
+        expert_scale = span(expert_comm) / span(comm) if expert_comm is not None else None
+        groups = lambda params: replica_groups(params, comm, expert_comm, expert_scale)  # noqa: E731
         self.beta1, self.beta2, self.eps = betas[0], betas[1], eps
         self.prefetch, self.gather_wait_s = prefetch, 0.0
         self.in_flight: deque[Handle] = deque()  # reduce-scatters not yet known to be done, oldest first
         self.ahead: dict[tuple[int, int], list[Shard]] = {}  # (id(shard), +1 forward / −1 backward) -> next unit's
-        broadcast_parameters(replica_groups(self.params, comm, expert_comm))
-        if self.replicas:  # every group from the same start
-            broadcast_parameters([(self.params, self.replicas, 1.0)])
+        for params, c, _ in groups(self.params):  # every rank of every group from the same start
+            broadcast_parameters([(params, c, 1.0)] + ([(params, self.replicas_of[id(c)], 1.0)]
+                                                       if id(c) in self.replicas_of else []))
         wd = float(weight_decay)
         if stage < 3:  # groups of at most bucket_mb and a quarter of a shard: the transient gradient buffers (the
             bucket_bytes = min(bucket_mb * 2**20, sum(p.data.nbytes for p in self.params) / (4 * comm.size))  # 1 + 2
             # in flight) stay below one shard, never a whole model's gradients at once
-            self.shards = [Shard(b, wd) for params, c, scale in replica_groups(gradient_ready_order(model), comm, expert_comm)
+            self.shards = [Shard(b, wd) for params, c, scale in groups(gradient_ready_order(model))
                            for b in make_buckets(params, bucket_bytes, c, scale, reduce_dtype)]
         else:
             units = default_units(model)
@@ -175,8 +180,7 @@ class ZeRO(ReplicatedModel, Optimizer):
             self.shards, by_unit = [], {}
             for module in owners:
                 by_unit[id(module)] = []
-                for params, c, scale in replica_groups(module.parameters() if module is not model else root, comm,
-                                                       expert_comm):
+                for params, c, scale in groups(module.parameters() if module is not model else root):
                     shard = Shard(Bucket(params, c, scale, reduce_dtype), wd)
                     self.shards.append(shard)
                     by_unit[id(module)].append(shard)
@@ -259,10 +263,11 @@ class ZeRO(ReplicatedModel, Optimizer):
         flat = shard.buffer if shard.buffer is not None else xp.zeros(shard.bucket.size, dtype=shard.bucket.grad_dtype)
         if self.stage >= 2:
             shard.buffer = None  # the reduce-scatter holds it until it is done
-        if self.replicas is None:
+        replicas = self.replicas_of.get(id(shard.comm))
+        if replicas is None:
             handle = shard.comm.reduce_scatter(flat, op="avg", async_op=True, algorithm="ring", label="grads")
         else:  # within the group, then across the groups: on the communication thread, in this order
-            handle = shard.comm.submit(lambda: self.replicas.all_reduce(
+            handle = shard.comm.submit(lambda: replicas.all_reduce(
                 shard.comm.reduce_scatter(flat, op="avg", algorithm="ring", label="grads"), op="avg", algorithm="ring",
                 label="grads"))
         shard.pending.append(handle)
@@ -347,8 +352,9 @@ class ZeRO(ReplicatedModel, Optimizer):
             params, grads = np.dtype(s.bucket.dtype).itemsize, s.bucket.grad_dtype.itemsize  # gathers, reductions
             gathers = 2 if self.stage == 3 else 1
             total += (s.comm.size - 1) / s.comm.size * s.bucket.size * (gathers * params + grads)
-            if self.replicas:
-                total += 2 * (self.replicas.size - 1) / self.replicas.size * (s.hi - s.lo) * grads
+            replicas = self.replicas_of.get(id(s.comm))
+            if replicas:
+                total += 2 * (replicas.size - 1) / replicas.size * (s.hi - s.lo) * grads
         return total
 
     def model_state_bytes(self, optimizer: Any = None) -> dict[str, int]:
