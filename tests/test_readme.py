@@ -1,6 +1,6 @@
 """The README stays short and true: at most 300 lines, every link resolves, the reading path's line counts
 are the files' (within 10%), every page of docs/ is reachable from the README and from the docstring of the
-code it explains, and .ci/run runs exactly the README's test command."""
+code it explains, .ci/run runs exactly the README's test command, and the composition table is Layout's."""
 import re
 from pathlib import Path
 
@@ -47,3 +47,12 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()
     assert ci[-1] == "python -m pytest -q"
     assert 'pip install -e ".[test]" && python -m pytest -q' in README
+
+
+def test_the_composition_table_is_layouts():
+    """README's "what composes with what" is exactly what Layout's rules say today."""
+    from minipar.parallel.layout import composition_table
+
+    table = README.split("<!-- composition table -->\n")[1].split("\n<!-- end of composition table -->")[0]
+    assert table == composition_table()
+    assert "✓" in table and "·" in table

@@ -172,3 +172,60 @@ class Layout:
                 + (f" {self.schedule}" if self.pp > 1 else "") + (f" v{self.virtual_stages}" if self.virtual_stages > 1 else "")
                 + (f" hsdp{self.shard_group}" if self.shard_group else "")
                 + (f" recompute-{self.recompute}" if self.recompute != "none" else ""))
+
+
+# one option each, at its smallest: (label, Layout fields, model fields)
+OPTIONS: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
+    ("dp", {"dp": 2}, {}),
+    ("ZeRO-1", {"dp": 2, "zero": 1}, {}),
+    ("ZeRO-2", {"dp": 2, "zero": 2}, {}),
+    ("ZeRO-3", {"dp": 2, "zero": 3}, {}),
+    ("HSDP", {"dp": 4, "zero": 3, "shard_group": 2}, {}),
+    ("tp", {"tp": 2}, {}),
+    ("sp", {"tp": 2, "sp": True}, {}),
+    ("cp ring", {"cp": 2, "cp_kind": "ring"}, {}),
+    ("cp Ulysses", {"cp": 2, "cp_kind": "ulysses"}, {}),
+    ("pp GPipe", {"pp": 2, "microbatches": 4, "schedule": "gpipe"}, {}),
+    ("pp 1F1B", {"pp": 2, "microbatches": 4, "schedule": "1f1b"}, {}),
+    ("pp interleaved", {"pp": 2, "microbatches": 4, "schedule": "interleaved", "virtual_stages": 2}, {}),
+    ("pp ZB-H1", {"pp": 2, "microbatches": 4, "schedule": "zb-h1"}, {}),
+    ("pp DualPipeV", {"pp": 2, "microbatches": 4, "schedule": "dualpipev"}, {}),
+    ("MoE", {}, {"n_expert": 4}),
+    ("MoE, ep", {"dp": 2, "ep": 2}, {"n_expert": 4}),
+    ("recompute selective", {"recompute": "selective"}, {}),
+    ("recompute full", {"recompute": "full"}, {}),
+    ("bf16-mixed", {"precision": "bf16-mixed"}, {}),
+    ("fp16-mixed", {"precision": "fp16-mixed"}, {}),
+    ("compression", {"dp": 2, "compression": "powersgd"}, {}),
+    ("local SGD", {"dp": 2, "local_sgd": 4}, {}),
+)
+CHOICES = ("zero", "cp_kind", "schedule", "recompute", "precision")  # one value per run: two are alternatives
+
+
+def composition_table() -> str:
+    """README's "what composes with what": every pair of :data:`OPTIONS` put together (the larger degree where
+    both set one) and to :meth:`Layout.validate` on an 8-layer model: ✓ accepted, a number the refusal listed
+    below the table, · two values of one choice (a ZeRO stage, a schedule, a precision, ...)."""
+    from minipar.models.gpt import GPTConfig
+
+    refusals: list[str] = []
+
+    def cell(a: tuple, b: tuple) -> str:
+        (_, fa, ma), (_, fb, mb) = a, b
+        if any(k in fa and k in fb for k in CHOICES):
+            return "·"
+        fields = {**fa, **fb, **{k: max(fa[k], fb[k]) for k in fa.keys() & fb.keys()}}
+        layout = Layout(**fields)
+        try:
+            layout.validate(GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=4, n_embd=16, **{**ma, **mb}),
+                            batch_size=16 * layout.dp)
+        except ValueError as refusal:
+            if str(refusal) not in refusals:
+                refusals.append(str(refusal))
+            return str(refusals.index(str(refusal)) + 1)
+        return "✓"
+
+    rows = ["| | " + " | ".join(str(i + 1) for i in range(len(OPTIONS))) + " |", "|---" * (len(OPTIONS) + 1) + "|"]
+    for i, a in enumerate(OPTIONS):
+        rows.append(f"| {i + 1} {a[0]} | " + " | ".join("" if j == i else cell(a, b) for j, b in enumerate(OPTIONS)) + " |")
+    return "\n".join(rows + [""] + [f"{i + 1}. {text}" for i, text in enumerate(refusals)])
