@@ -95,8 +95,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "master weights and Adam moments (fp16 with dynamic loss scaling); fp32: --dtype throughout")
     run.add_argument("--loss-scale", type=float, default=2.0**16, help="fp16-mixed: the initial dynamic loss scale")
     run.add_argument("--reduce-dtype", choices=["auto", "float32"], default="auto",
-                     help="data-parallel gradient reduction: auto = in the parameters' dtype (16-bit under mixed "
-                          "precision), float32 = upcast first (twice the bytes, no 16-bit rounding in the sum)")
+                     help="data-parallel gradient reduction: auto = in the parameters' dtype (bfloat16 under "
+                          "bf16-mixed), but float32 under fp16-mixed (loss-scaled gradients would overflow when "
+                          "summed); float32 = upcast first (twice the bytes, no 16-bit rounding in the sum)")
     run.add_argument("--recompute", choices=list(RECOMPUTE), default=None,
                      help="activation recomputation: selective = attention probabilities, full = whole blocks "
                           "(default: none; with --auto, the planner's choice)")
@@ -359,7 +360,9 @@ def build_engine(model: GPT, mesh: Mesh, args: argparse.Namespace) -> tuple[Any,
     parameters reduce over their own replicas. With --local-sgd the replicas do not synchronize gradients at
     all (LocalSGD averages them later)."""
     comm, experts = mesh.grad_comm, (mesh.expert_grad_comm if mesh.ep > 1 else None)
-    reduce_dtype = np.float32 if args.reduce_dtype == "float32" else None
+    # loss-scaled float16 gradients are reduced in float32: their sum over the ranks can overflow where the one
+    # process's gradient (their mean) does not, and the run would skip steps the one process takes
+    reduce_dtype = np.float32 if args.reduce_dtype == "float32" or args.precision == "fp16-mixed" else None
     if args.local_sgd:
         alone = comm.split(color=comm.rank, name="local")
         return DataParallel(model, alone), AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)

@@ -299,15 +299,16 @@ def test_mixed_precision_with_compression_and_local_sgd(precision, method):
     assert late == pytest.approx(late_fp32, rel=0.03) and mixed[0] - late >= 0.9 * (fp32[0] - late_fp32) > 0
 
 
-def test_error_feedback_is_kept_unscaled():
+def _error_feedback_is_kept_unscaled():
     """Top-k and PowerSGD under fp16 loss scaling: gradients scaled by S give S times the unscaled result, also
-    after the scale changes between steps (the residual is stored divided by S); an overflowed step (inf) leaves
-    the residual untouched, so the next finite step is as if it had not happened."""
+    after the scale changes between steps (the residual is stored divided by S); a step that overflowed (inf) on
+    the last rank only leaves every rank's residual untouched, so the next finite step is as if it had not
+    happened (a rank whose own gradient was finite must not keep that step's error either)."""
     from minipar.comm import Communicator
     from minipar.parallel.compression import PowerSGD, TopK
 
     comm = Communicator()
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(comm.rank)
     bucket = _bucket([(8, 6), (5,)], np.float32)
     steps = [rng.standard_normal(53).astype(np.float32) for _ in range(3)]
     for make in (lambda: TopK(0.2), lambda: PowerSGD(2)):
@@ -317,8 +318,14 @@ def test_error_feedback_is_kept_unscaled():
             plain.reduce(comm, bucket, expected)
             scaled.loss_scale = scale
             overflow = got.copy()
-            overflow[3] = np.inf
+            if comm.rank == comm.size - 1:
+                overflow[3] = np.inf
             with np.errstate(invalid="ignore", over="ignore"):
                 scaled.reduce(comm, bucket, overflow)  # skipped by the loop: must leave no trace
             scaled.reduce(comm, bucket, got)
             np.testing.assert_allclose(got / scale, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+def test_error_feedback_is_kept_unscaled(p):
+    run_ranks(p, _error_feedback_is_kept_unscaled)

@@ -35,7 +35,8 @@ class Compressor:
     """``loss_scale``: the factor the gradients handed in carry (fp16 dynamic loss scaling; the training loop sets
     it every step). Error feedback is kept in unscaled units — divided by it when stored, multiplied when used —
     so a scale that changes between steps does not change what the residual means, and a step whose gradients
-    are not finite (an fp16 overflow, which the loop then skips) leaves the residual as it was."""
+    are not finite on any rank (an fp16 overflow, which the loop then skips) leaves every rank's residual as it
+    was: each compressor decides on what the exchange returned, which is the same on every rank."""
     name = "none"
     loss_scale = 1.0
 
@@ -94,14 +95,15 @@ class TopK(Compressor):
         k = max(1, int(self.ratio * e.size)) if e.size else 0
         top = np.sort(np.argpartition(np.abs(e), e.size - k)[e.size - k:]).astype(np.int32) if k else np.zeros(0, np.int32)
         values = e[top]
-        if np.isfinite(e).all():  # error feedback keeps only what was not sent, unscaled (class Compressor)
-            residual = e / self.loss_scale
-            residual[top] = 0.0
-            self.residual[id(bucket)] = residual
         payload = np.concatenate([top.view(np.uint8), values.view(np.uint8)])
         dense = np.zeros(e.size, np.float32)
         for other in _gather_payloads(comm, payload):
             dense[other[:4 * k].view(np.int32)] += other[4 * k:].view(np.float32)  # one rank's indices are distinct
+        # an overflow on any rank is among its largest entries, so in every rank's sum: all skip the step alike
+        if np.isfinite(dense).all():  # error feedback keeps only what was not sent, unscaled (class Compressor)
+            residual = e / self.loss_scale
+            residual[top] = 0.0
+            self.residual[id(bucket)] = residual
         flat[...] = to_device(dense / comm.size, dtype=flat.dtype)
 
 
@@ -144,8 +146,8 @@ class PowerSGD(Compressor):
         ps = [xp.linalg.qr(p)[0] for p in ps]  # orthonormal columns, identical on every rank
         qs = self._all_average(comm, [m.T @ p for (_, m), p in zip(ms, ps)])
         for i, (key, m), p, q in zip(matrices, ms, ps, qs):
-            approx = p @ q.T
-            if bool(xp.isfinite(m).all()):  # an overflowed step leaves the residual and the warm start alone
+            approx = p @ q.T  # from the averaged factors: the same on every rank, non-finite if any rank overflowed
+            if bool(xp.isfinite(approx).all()):  # an overflowed step leaves the residual and the warm start alone
                 self.residual[key], self.q[key] = (m - approx) / self.loss_scale, q
             bucket.slot(flat, i)[...] = approx
 
