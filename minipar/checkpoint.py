@@ -27,6 +27,8 @@ from minipar.safetensors_io import atomic_write, decode_safetensors, encode_safe
 #   ...                                   Adam moments ("param/<name>", "exp_avg/<name>", "exp_avg_sq/<name>"),
 #   DIR/step_000010/manifest.json         whole over ZeRO shards and expert-parallel ranks, sliced as
 #                                         that tp rank holds them.
+#   DIR/step_000010/rank00003.safetensors state only that rank holds (error feedback of --compression), one
+#                                         file per rank, when there is any; it resumes the same layout only.
 #   DIR/latest                            The manifest (size + sha256 of every file) is written last, then
 #                                         `latest` (for people and scripts): a step without a manifest is an
 #                                         interrupted save. Loading a DIR takes its newest complete step.
@@ -48,35 +50,44 @@ class Checkpoint:
     exp_avg: dict[str, np.ndarray]
     exp_avg_sq: dict[str, np.ndarray]
     skipped: list[str] = dataclasses.field(default_factory=list)  # damaged newer checkpoints passed over
+    training: dict[str, Any] = dataclasses.field(default_factory=dict)  # scalars: the fp16 loss scaler's state
+    rank_files: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)  # world rank -> manifest entry
+
+    def rank_state(self, rank: int) -> dict[str, np.ndarray]:
+        """The state only world rank ``rank`` held when this was saved ({} if none), verified against the manifest."""
+        entry = self.rank_files.get(rank)
+        return _read_verified(os.path.join(self.path, entry["file"]), entry) if entry else {}
 
 
 
 def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]] | None, mesh: Any, config: Any,
-                    layout: Layout, optimizer_step: int) -> str:
+                    layout: Layout, optimizer_step: int, training: dict[str, Any] | None = None,
+                    rank_state: dict[str, Any] | None = None) -> str:
     """Write this rank's share of a checkpoint (``state`` is None on ranks that hold duplicates); all ranks call.
 
-    ``state`` maps each of STATE_KINDS to this rank's tensors by global parameter name.
+    ``state`` maps each of STATE_KINDS to this rank's tensors by global parameter name; ``training`` holds
+    scalars every rank shares (rank 0's are written); ``rank_state`` what only this rank holds.
     """
     world = mesh.world
     step_dir = os.path.join(root, f"step_{step:06d}")
     os.makedirs(step_dir, exist_ok=True)
-    record = b""
+    record = own = b""
     if state is not None:
         name = f"pp{mesh.pp_rank}-tp{mesh.tp_rank}.safetensors"
         tensors = {f"{kind}/{n}": np.asarray(a) for kind in STATE_KINDS for n, a in state[kind].items()}
-        chunks = encode_safetensors(tensors, {"pp_rank": str(mesh.pp_rank), "tp_rank": str(mesh.tp_rank)})
-        atomic_write(os.path.join(step_dir, name), chunks)
-        digest = hashlib.sha256()
-        for chunk in chunks:
-            digest.update(chunk)
-        record = json.dumps({"file": name, "bytes": sum(len(c) for c in chunks), "sha256": digest.hexdigest(),
-                             "pp_rank": mesh.pp_rank, "tp_rank": mesh.tp_rank}).encode()
+        entry = _write(step_dir, name, tensors, {"pp_rank": str(mesh.pp_rank), "tp_rank": str(mesh.tp_rank)})
+        record = json.dumps({**entry, "pp_rank": mesh.pp_rank, "tp_rank": mesh.tp_rank}).encode()
+    if rank_state:
+        entry = _write(step_dir, f"rank{world.rank:05d}.safetensors", {k: np.asarray(a) for k, a in rank_state.items()},
+                       {"rank": str(world.rank)})
+        own = json.dumps({**entry, "rank": world.rank}).encode()
     records = [json.loads(r) for r in world.all_gather_bytes(record, label="checkpoint") if r]
+    rank_records = [json.loads(r) for r in world.all_gather_bytes(own, label="checkpoint") if r]
     if world.rank == 0:
         manifest = {"format": CHECKPOINT_FORMAT, "step": step, "optimizer_step": optimizer_step,
                     "config": dataclasses.asdict(config),
-                    "layout": layout.as_dict(),
-                    "files": records}
+                    "layout": layout.as_dict(), "world": world.size, "training": training or {},
+                    "files": records, "rank_files": rank_records}
         atomic_write(os.path.join(step_dir, "manifest.json"), [json.dumps(manifest, indent=1).encode()])
         atomic_write(os.path.join(root, "latest"), [f"step_{step:06d}\n".encode()])
     world.barrier()
@@ -85,6 +96,29 @@ def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]
             for stale in glob.glob(os.path.join(glob.escape(folder), "*.tmp-*")):
                 os.remove(stale)
     return step_dir
+
+
+def _write(step_dir: str, name: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> dict[str, Any]:
+    """Write one safetensors file atomically; its manifest entry (name, size, sha256)."""
+    chunks = encode_safetensors(tensors, metadata)
+    atomic_write(os.path.join(step_dir, name), chunks)
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    return {"file": name, "bytes": sum(len(c) for c in chunks), "sha256": digest.hexdigest()}
+
+
+def _read_verified(file: str, entry: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The tensors of a file the manifest lists, after checking its size and sha256."""
+    if not os.path.isfile(file):
+        raise FileNotFoundError(f"{file} is missing")
+    with open(file, "rb") as f:
+        blob = f.read()
+    if len(blob) != entry["bytes"]:
+        raise ValueError(f"{file} has {len(blob)} bytes, the manifest says {entry['bytes']} (truncated?)")
+    if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
+        raise ValueError(f"{file} is corrupted (sha256 differs from the manifest)")
+    return decode_safetensors(blob, file)[0]
 
 
 def step_dirs(root: str) -> list[str]:
@@ -156,18 +190,8 @@ def _load_step(step_dir: str) -> Checkpoint:
         step, optimizer_step, entries = int(manifest["step"]), int(manifest["optimizer_step"]), manifest["files"]
     except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{manifest_path}: unreadable ({type(e).__name__}: {e})") from None
-    by_position = {}
-    for entry in entries:
-        file = os.path.join(step_dir, entry["file"])
-        if not os.path.isfile(file):
-            raise FileNotFoundError(f"{file} is missing")
-        with open(file, "rb") as f:
-            blob = f.read()
-        if len(blob) != entry["bytes"]:
-            raise ValueError(f"{file} has {len(blob)} bytes, {manifest_path} says {entry['bytes']} (truncated?)")
-        if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
-            raise ValueError(f"{file} is corrupted (sha256 differs from {manifest_path})")
-        by_position[(entry["pp_rank"], entry["tp_rank"])] = decode_safetensors(blob, file)[0]
+    by_position = {(entry["pp_rank"], entry["tp_rank"]): _read_verified(os.path.join(step_dir, entry["file"]), entry)
+                   for entry in entries}
     expected = {(p, t) for p in range(layout.pp) for t in range(layout.tp)}
     if set(by_position) != expected:
         raise FileNotFoundError(f"checkpoint {step_dir}: shards for {sorted(expected - set(by_position))} are missing")
@@ -178,7 +202,9 @@ def _load_step(step_dir: str) -> Checkpoint:
             slices = [{k[len(prefix):]: v for k, v in by_position[(stage, t)].items() if k.startswith(prefix)}
                       for t in range(layout.tp)]
             full[kind].update(merge_state_dicts(slices, config) if layout.tp > 1 else slices[0])
-    return Checkpoint(step_dir, step, optimizer_step, config, layout, full["param"], full["exp_avg"], full["exp_avg_sq"])
+    return Checkpoint(step_dir, step, optimizer_step, config, layout, full["param"], full["exp_avg"], full["exp_avg_sq"],
+                      training=manifest.get("training", {}),
+                      rank_files={e["rank"]: e for e in manifest.get("rank_files", [])})
 
 
 def prune_checkpoints(root: str, keep_last: int) -> list[str]:

@@ -171,6 +171,13 @@ class LossScaler:
         self.scale, self.growth, self.backoff, self.growth_interval = scale, growth, backoff, growth_interval
         self.good_steps = 0
 
+    def state(self) -> dict[str, float]:
+        """What a checkpoint keeps, so that a resumed run scales and skips as the uninterrupted one does."""
+        return {"loss_scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state(self, state: dict[str, float]) -> None:
+        self.scale, self.good_steps = float(state["loss_scale"]), int(state["good_steps"])
+
     def update(self, finite: bool) -> None:
         if not finite:
             self.scale *= self.backoff

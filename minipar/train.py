@@ -339,9 +339,24 @@ def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoin
                            master=moments[2])
 
 
+def restore_training_state(resumed: Checkpoint, layout: Layout, world: Communicator, engine: Any,
+                           scaler: LossScaler | None, progress: Any) -> None:
+    """The loss scaler's state, and each rank's own state when the layout is the one it was saved in (a
+    compressor's error feedback belongs to its rank's buckets); in another layout that starts empty, said once."""
+    if scaler and "loss_scale" in resumed.training:
+        scaler.load_state(resumed.training)
+    if resumed.rank_files:
+        if resumed.layout == layout and len(resumed.rank_files) == world.size:
+            engine.load_rank_state(resumed.rank_state(world.rank))
+        else:
+            progress.note(f"{resumed.path} was saved as {resumed.layout}: the per-rank state (error feedback) "
+                          "starts empty in this layout")
+
+
 def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any, model: GPT, mesh: Mesh,
-               layout: Layout) -> str:
-    """Save parameters and AdamW state in this layout; the first replica of each (pp, tp) slice writes it."""
+               layout: Layout, scaler: LossScaler | None) -> str:
+    """Save parameters and AdamW state in this layout (the first replica of each (pp, tp) slice writes them), the
+    loss scaler's state, and what only each rank holds (a compressor's error feedback)."""
     names = {id(p): n for n, p in model.named_parameters()}
     params = {**engine.gathered_state_dict(), **optimizer.master_state(names)}  # a 16-bit model's float32 masters
     state = {"param": params, **optimizer.export_state(names)}
@@ -349,7 +364,8 @@ def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any,
         experts = expert_names(model)
         state = {kind: gather_expert_state(tensors, mesh.ep_comm, experts) for kind, tensors in state.items()}
     state = state if mesh.grad_comm.rank == 0 else None
-    saved = save_checkpoint(args.save, step, state, mesh, model.config, layout, optimizer.step_count)
+    saved = save_checkpoint(args.save, step, state, mesh, model.config, layout, optimizer.step_count,
+                            training=scaler.state() if scaler else None, rank_state=engine.rank_state())
     if mesh.world.rank == 0:
         prune_checkpoints(args.save, args.keep_last)
     return saved
@@ -658,6 +674,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         for skipped in resumed.skipped:
             progress.note(f"skipped damaged checkpoint {skipped}")
         progress.note(f"resumed from {resumed.path} (step {resumed.step}, saved as {resumed.layout})")
+        restore_training_state(resumed, layout, world, engine, scaler, progress)
     if data_note:
         progress.note(data_note)
 
@@ -724,7 +741,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                 progress.evaluation(val)
             stop = preemption.requested()
             if args.save and (stop or last or (args.save_interval and (step + 1) % args.save_interval == 0)):
-                saved = checkpoint(args, step + 1, engine, optimizer, model, mesh, layout)
+                saved = checkpoint(args, step + 1, engine, optimizer, model, mesh, layout, scaler)
                 progress.say(f"checkpoint {saved}")
                 if last or stop:
                     progress.written.append(f"checkpoint: {saved} (resume with --resume {args.save})")

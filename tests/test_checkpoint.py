@@ -205,3 +205,30 @@ def test_resume_takes_the_step_latest_names(tmp_path):
     assert load_checkpoint(str(tmp_path / "run")).path.endswith("step_000004")
     os.remove(tmp_path / "run" / "latest")  # without it: every step directory, newest first
     assert load_checkpoint(str(tmp_path / "run")).path.endswith("step_000009")
+
+
+STATEFUL = [(1, ["--dtype", "float32", "--precision", "fp16-mixed", "--n-embd", "32", "--n-head", "2"]),
+            (2, ["--dp", "2", "--compression", "topk", "--topk-ratio", "0.05"]),
+            (2, ["--dp", "2", "--compression", "powersgd", "--powersgd-rank", "2"]),
+            (2, ["--dp", "2", "--dtype", "float32", "--precision", "fp16-mixed", "--compression", "powersgd"])]
+
+
+@pytest.mark.parametrize("ranks,extra", STATEFUL)
+def test_resume_restores_every_state_bit_for_bit(tmp_path, ranks, extra):
+    """12 steps = 6 saved + 6 resumed, to the bit, where state beyond parameters and moments decides the
+    trajectory: the fp16 loss scale and its counter (one process overflows at step 5 from 2^16 and continues at
+    2^15; a resumed run at 2^16 would overflow again), and top-k's and PowerSGD's error feedback and PowerSGD's
+    warm start, which differ per rank (each rank writes its own file)."""
+    whole = train(ranks, ["--steps", "12", *extra])
+    save = tmp_path / "ckpt"
+    train(ranks, ["--steps", "6", "--save", str(save), *extra])
+    resumed = train(ranks, ["--steps", "12", "--resume", str(save), *extra])
+    assert resumed == {step: whole[step] for step in range(7, 13)}
+    ckpt = load_checkpoint(str(save))
+    if "fp16-mixed" in extra:
+        assert ckpt.training["loss_scale"] < 2.0**16  # an overflow backed it off before the save
+    if "--compression" in extra:
+        assert sorted(ckpt.rank_files) == list(range(ranks))
+        states = [ckpt.rank_state(r) for r in range(ranks)]
+        assert states[0].keys() == states[1].keys() and states[0]
+        assert any((states[0][k] != states[1][k]).any() for k in states[0])  # error feedback is the rank's own

@@ -44,6 +44,28 @@ class Compressor:
         """Replace ``flat`` (this rank's gradient for ``bucket``) by the (approximate) average over ranks."""
         raise NotImplementedError
 
+    def export_state(self, buckets: list[Bucket]) -> dict[str, np.ndarray]:
+        """This rank's error feedback (and warm starts) by position — "<kind>/<bucket>.<parameter>" — for a
+        checkpoint: what a resumed run needs to continue the same trajectory. Stateless compressors: {}."""
+        return {f"{kind}/{b}.{i}": to_host(store[key]) for kind, (store, _) in self._stores().items()
+                for b, bucket in enumerate(buckets) for i, key in enumerate(self._keys(bucket)) if key in store}
+
+    def import_state(self, buckets: list[Bucket], state: dict[str, np.ndarray]) -> None:
+        """The inverse of :meth:`export_state` on the same layout's buckets."""
+        for kind, (store, place) in self._stores().items():
+            for b, bucket in enumerate(buckets):
+                for i, key in enumerate(self._keys(bucket)):
+                    if f"{kind}/{b}.{i}" in state:
+                        store[key] = place(state[f"{kind}/{b}.{i}"])
+
+    def _stores(self) -> dict[str, tuple[dict[int, Any], Any]]:
+        """kind -> (its arrays by key, where an imported array goes: to_device, or the host as it is)."""
+        return {}
+
+    def _keys(self, bucket: Bucket) -> list[int]:
+        """The keys a bucket's state is stored under (per bucket: one; per parameter: one each)."""
+        return [id(bucket)]
+
 
 class Cast(Compressor):
     """The ring all-reduce with 16-bit messages (float16 or bfloat16), accumulating in float32."""
@@ -90,6 +112,9 @@ class TopK(Compressor):
         self.ratio, self.name = ratio, f"topk({ratio:g})"
         self.residual: dict[int, np.ndarray] = {}  # per bucket: what earlier steps did not send
 
+    def _stores(self) -> dict[str, tuple[dict[int, Any], Any]]:
+        return {"topk_residual": (self.residual, np.asarray)}  # top-k selects on the host
+
     def reduce(self, comm: Communicator, bucket: Bucket, flat: Any) -> None:
         e = to_host(flat).astype(np.float32) + self.residual.get(id(bucket), 0.0) * self.loss_scale
         k = max(1, int(self.ratio * e.size)) if e.size else 0
@@ -116,6 +141,12 @@ class PowerSGD(Compressor):
         self.rank, self.seed, self.name = rank, seed, f"powersgd(r={rank})"
         self.q: dict[int, Any] = {}         # per parameter: the Q of the last step (warm start)
         self.residual: dict[int, Any] = {}  # per parameter: error feedback
+
+    def _stores(self) -> dict[str, tuple[dict[int, Any], Any]]:
+        return {"powersgd_residual": (self.residual, to_device), "powersgd_q": (self.q, to_device)}
+
+    def _keys(self, bucket: Bucket) -> list[int]:
+        return [id(p) for p in bucket.params]
 
     def _compressible(self, shape: tuple[int, ...]) -> bool:
         return len(shape) == 2 and min(shape) > self.rank

@@ -141,6 +141,13 @@ class ReplicatedModel:
         """Every parameter whole, by name (a replica already holds them all; ZeRO gathers its shards)."""
         return self.module.state_dict()
 
+    def rank_state(self) -> dict[str, Any]:
+        """What only this rank holds and a resumed run needs, for a checkpoint (here: nothing)."""
+        return {}
+
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        """Take back what :meth:`rank_state` returned, in the same layout."""
+
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally, without communicating."""
@@ -217,6 +224,14 @@ class DataParallel(ReplicatedModel):
             for i, p in enumerate(bucket.params):
                 p.grad = bucket.slot(bucket.buffer, i)
             bucket.handle, bucket.ready = None, 0
+
+    def rank_state(self) -> dict[str, Any]:
+        """The compressor's error feedback ({} without one)."""
+        return self.compression.export_state(self.buckets) if self.compression else {}
+
+    def load_rank_state(self, state: dict[str, Any]) -> None:
+        if self.compression:
+            self.compression.import_state(self.buckets, state)
 
     def formula_bytes(self) -> float:
         """Bytes one rank should send per synchronized step: ring all-reduce of Ψ elements, 2(p−1)/p·Ψ·itemsize
