@@ -245,9 +245,6 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
     make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)  # validates the numbers
     if args.local_sgd < 0 or args.staleness < 0:
         raise ValueError("--local-sgd and --staleness must be >= 0")
-    if args.local_sgd and args.save:
-        raise ValueError("--local-sgd does not checkpoint its outer state (the global parameters, momentum, rounds in "
-                         "flight) yet: drop --save")
     if args.keep_last and not args.save:
         raise ValueError("--keep-last prunes the checkpoints of --save: pass --save DIR too")
     if resumed is not None:
@@ -339,25 +336,30 @@ def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoin
                            master=moments[2])
 
 
-def restore_training_state(resumed: Checkpoint, layout: Layout, world: Communicator, engine: Any,
-                           scaler: LossScaler | None, progress: Any) -> None:
+def restore_training_state(resumed: Checkpoint, layout: Layout, world: Communicator, model: GPT, engine: Any,
+                           optimizer: Any, scaler: LossScaler | None, local_sgd: LocalSGD | None, progress: Any) -> None:
     """The loss scaler's state, and each rank's own state when the layout is the one it was saved in (a
-    compressor's error feedback belongs to its rank's buckets); in another layout that starts empty, said once."""
+    compressor's error feedback belongs to its rank's buckets, local SGD's replica to its rank); in another
+    layout that starts afresh, said once."""
     if scaler and "loss_scale" in resumed.training:
         scaler.load_state(resumed.training)
     if resumed.rank_files:
         if resumed.layout == layout and len(resumed.rank_files) == world.size:
-            engine.load_rank_state(resumed.rank_state(world.rank))
+            own = resumed.rank_state(world.rank)
+            engine.load_rank_state(own)
+            if local_sgd:
+                local_sgd.import_state(own, optimizer, {id(p): n for n, p in model.named_parameters()})
         else:
-            progress.note(f"{resumed.path} was saved as {resumed.layout}: the per-rank state (error feedback) "
-                          "starts empty in this layout")
+            progress.note(f"{resumed.path} was saved as {resumed.layout}: the per-rank state (error feedback, local "
+                          "SGD's replicas) starts afresh in this layout")
 
 
 def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any, model: GPT, mesh: Mesh,
-               layout: Layout, scaler: LossScaler | None) -> str:
+               layout: Layout, scaler: LossScaler | None, local_sgd: LocalSGD | None) -> str:
     """Save parameters and AdamW state in this layout (the first replica of each (pp, tp) slice writes them), the
-    loss scaler's state, and what only each rank holds (a compressor's error feedback)."""
+    loss scaler's state, and what only each rank holds (a compressor's error feedback; local SGD's replica)."""
     names = {id(p): n for n, p in model.named_parameters()}
+    own = {**engine.rank_state(), **(local_sgd.export_state(optimizer, names) if local_sgd else {})}
     params = {**engine.gathered_state_dict(), **optimizer.master_state(names)}  # a 16-bit model's float32 masters
     state = {"param": params, **optimizer.export_state(names)}
     if mesh.ep > 1:  # whole experts, from every ep rank's share
@@ -365,7 +367,7 @@ def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any,
         state = {kind: gather_expert_state(tensors, mesh.ep_comm, experts) for kind, tensors in state.items()}
     state = state if mesh.grad_comm.rank == 0 else None
     saved = save_checkpoint(args.save, step, state, mesh, model.config, layout, optimizer.step_count,
-                            training=scaler.state() if scaler else None, rank_state=engine.rank_state())
+                            training=scaler.state() if scaler else None, rank_state=own)
     if mesh.world.rank == 0:
         prune_checkpoints(args.save, args.keep_last)
     return saved
@@ -674,7 +676,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         for skipped in resumed.skipped:
             progress.note(f"skipped damaged checkpoint {skipped}")
         progress.note(f"resumed from {resumed.path} (step {resumed.step}, saved as {resumed.layout})")
-        restore_training_state(resumed, layout, world, engine, scaler, progress)
+        restore_training_state(resumed, layout, world, model, engine, optimizer, scaler, local_sgd, progress)
     if data_note:
         progress.note(data_note)
 
@@ -741,7 +743,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                 progress.evaluation(val)
             stop = preemption.requested()
             if args.save and (stop or last or (args.save_interval and (step + 1) % args.save_interval == 0)):
-                saved = checkpoint(args, step + 1, engine, optimizer, model, mesh, layout, scaler)
+                saved = checkpoint(args, step + 1, engine, optimizer, model, mesh, layout, scaler, local_sgd)
                 progress.say(f"checkpoint {saved}")
                 if last or stop:
                     progress.written.append(f"checkpoint: {saved} (resume with --resume {args.save})")

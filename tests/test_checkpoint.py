@@ -210,15 +210,18 @@ def test_resume_takes_the_step_latest_names(tmp_path):
 STATEFUL = [(1, ["--dtype", "float32", "--precision", "fp16-mixed", "--n-embd", "32", "--n-head", "2"]),
             (2, ["--dp", "2", "--compression", "topk", "--topk-ratio", "0.05"]),
             (2, ["--dp", "2", "--compression", "powersgd", "--powersgd-rank", "2"]),
-            (2, ["--dp", "2", "--dtype", "float32", "--precision", "fp16-mixed", "--compression", "powersgd"])]
+            (2, ["--dp", "2", "--dtype", "float32", "--precision", "fp16-mixed", "--compression", "powersgd"]),
+            (2, ["--dp", "2", "--local-sgd", "4"]), (3, ["--dp", "3", "--batch-size", "6", "--local-sgd", "2", "--staleness", "1"]),
+            (2, ["--dp", "2", "--dtype", "float32", "--precision", "bf16-mixed", "--local-sgd", "4"])]
 
 
 @pytest.mark.parametrize("ranks,extra", STATEFUL)
 def test_resume_restores_every_state_bit_for_bit(tmp_path, ranks, extra):
     """12 steps = 6 saved + 6 resumed, to the bit, where state beyond parameters and moments decides the
     trajectory: the fp16 loss scale and its counter (one process overflows at step 5 from 2^16 and continues at
-    2^15; a resumed run at 2^16 would overflow again), and top-k's and PowerSGD's error feedback and PowerSGD's
-    warm start, which differ per rank (each rank writes its own file)."""
+    2^15; a resumed run at 2^16 would overflow again), top-k's and PowerSGD's error feedback and PowerSGD's warm
+    start, and local SGD's replicas (saved mid-round at H = 4; with staleness 1 a round is in flight), all of
+    which differ per rank (each rank writes its own file)."""
     whole = train(ranks, ["--steps", "12", *extra])
     save = tmp_path / "ckpt"
     train(ranks, ["--steps", "6", "--save", str(save), *extra])
@@ -227,7 +230,7 @@ def test_resume_restores_every_state_bit_for_bit(tmp_path, ranks, extra):
     ckpt = load_checkpoint(str(save))
     if "fp16-mixed" in extra:
         assert ckpt.training["loss_scale"] < 2.0**16  # an overflow backed it off before the save
-    if "--compression" in extra:
+    if "--compression" in extra or "--local-sgd" in extra:
         assert sorted(ckpt.rank_files) == list(range(ranks))
         states = [ckpt.rank_state(r) for r in range(ranks)]
         assert states[0].keys() == states[1].keys() and states[0]

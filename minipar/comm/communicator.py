@@ -108,6 +108,13 @@ class Handle:
         self._result, self._error = result, error
         self._done.set()
 
+    @classmethod
+    def completed(cls, result: Any) -> Handle:
+        """A handle whose operation is already done, e.g. one restored from a checkpoint."""
+        handle = cls()
+        handle._finish(result)
+        return handle
+
     def is_completed(self) -> bool:
         return self._done.is_set()
 

@@ -27,7 +27,9 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from minipar.backend import xp
+import numpy as np
+
+from minipar.backend import to_device, to_host, xp
 from minipar.comm import Communicator, Handle
 from minipar.nn import Module
 from minipar.parallel.data_parallel import broadcast_parameters
@@ -99,6 +101,32 @@ class LocalSGD:
             self._outer_step(handle.wait())
         self._set_local(self.global_params)
         self.anchor = self.global_params.copy()
+
+    def export_state(self, optimizer: Any, names: dict[int, str]) -> dict[str, Any]:
+        """Everything this rank resumes from, for a checkpoint (host arrays): θ, the momentum, its own θ_local and
+        anchor, the inner optimizer's moments (the replicas' differ), the counters, and every round in flight —
+        waited for, so its average is kept with this rank's Δ (waiting changes no value)."""
+        inner = optimizer.export_state(names)
+        state = {"local_sgd/global": self.global_params, "local_sgd/velocity": self.velocity,
+                 "local_sgd/anchor": self.anchor, "local_sgd/local": self._flatten(),
+                 "local_sgd/counters": np.array([self.inner_steps, self.rounds], np.int64),
+                 **{f"local_sgd/inner/{kind}/{name}": a for kind, by_name in inner.items() for name, a in by_name.items()}}
+        for i, (handle, own) in enumerate(self.in_flight):
+            state[f"local_sgd/in_flight/{i}/mean"], state[f"local_sgd/in_flight/{i}/own"] = handle.wait(), own
+        return {k: to_host(v) for k, v in state.items()}
+
+    def import_state(self, state: dict[str, Any], optimizer: Any, names: dict[int, str]) -> None:
+        """The inverse of :meth:`export_state`, on the same number of replicas."""
+        self.global_params[...] = to_device(state["local_sgd/global"])
+        self.velocity[...] = to_device(state["local_sgd/velocity"])
+        self.anchor = to_device(state["local_sgd/anchor"]).copy()
+        self._set_local(to_device(state["local_sgd/local"]))
+        self.inner_steps, self.rounds = (int(n) for n in state["local_sgd/counters"])
+        inner = {kind: {n: state[f"local_sgd/inner/{kind}/{n}"] for n in names.values()} for kind in ("exp_avg", "exp_avg_sq")}
+        optimizer.import_state(inner["exp_avg"], inner["exp_avg_sq"], names, optimizer.step_count)
+        rounds = sum(1 for k in state if k.startswith("local_sgd/in_flight/") and k.endswith("/mean"))
+        self.in_flight = deque((Handle.completed(to_device(state[f"local_sgd/in_flight/{i}/mean"])),
+                                to_device(state[f"local_sgd/in_flight/{i}/own"])) for i in range(rounds))
 
     def formula_bytes_per_round(self) -> float:
         p = self.comm.size
