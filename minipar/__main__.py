@@ -283,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 (whatever failed, no rank may be left waiting)
-        from minipar.train import Preempted
+        from minipar.train import Interrupted
 
-        if isinstance(e, Preempted):
-            return 143  # 128 + SIGTERM: stopped on request, after checkpointing
+        if isinstance(e, Interrupted):
+            return 128 + e.signum  # stopped on request at a step's end: 130 for SIGINT, 143 for SIGTERM
         if agree is None and not isinstance(e, (ValueError, OSError, RuntimeError, KeyError)):
             raise  # a bug in a single process: the full traceback
         return fail(args.command, e, agree)

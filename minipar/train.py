@@ -567,30 +567,40 @@ def format_step(record: dict[str, Any]) -> str:
             f"{_duration(record['elapsed_s'])} elapsed, eta {_duration(record['eta_s'])}{comm}")
 
 
-class Preempted(Exception):
-    """SIGTERM arrived: the job checkpointed (with --save) and stops; every rank raises this at the same step."""
+class Interrupted(Exception):
+    """SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) arrived: every rank finished the same step, the job
+    checkpointed (with --save) and stops; ``signum`` gives the exit status 128 + signum."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
 
 
-class PreemptionWatch:
-    """A scheduler's SIGTERM (preemption) sets a flag on the rank that gets it; after each step the ranks
-    agree with one 8-byte all-reduce, so all of them checkpoint and stop at the same step. Only with --save:
-    without a checkpoint to write, SIGTERM ends the process as usual."""
+class InterruptWatch:
+    """SIGINT and SIGTERM set a flag on the rank that gets them (a second one stops at once: KeyboardInterrupt);
+    after each step the ranks agree with one 8-byte all-reduce (the larger signal number), so all of them finish
+    that step, checkpoint (with --save) and stop together."""
 
-    def __init__(self, world: Communicator, enabled: bool):
-        self.world, self.enabled, self.signalled = world, enabled, False
-        self.previous = signal.signal(signal.SIGTERM, self._handler) if enabled else None
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, world: Communicator):
+        self.world, self.signum = world, 0
+        self.previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
 
     def _handler(self, signum: int, frame: Any) -> None:
-        self.signalled = True
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
 
-    def requested(self) -> bool:
-        if not self.enabled or self.world.size == 1:
-            return self.signalled
-        return self.world.all_reduce(np.array([float(self.signalled)]), label="preemption")[0] > 0
+    def requested(self) -> int:
+        """The signal every rank agrees on after this step (0: none)."""
+        if self.world.size == 1:
+            return self.signum
+        return int(self.world.all_reduce(np.array([float(self.signum)]), op="max", label="interrupt")[0])
 
     def close(self) -> None:
-        if self.enabled:
-            signal.signal(signal.SIGTERM, self.previous)
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
 def step_record(step: int, args: argparse.Namespace, loss: float, norm: float, ms: float, world: Communicator,
@@ -636,7 +646,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the training job described by ``args`` on every rank; returns the per-step records.
 
     Stops with an error (the same on every rank) when a step's loss or gradient norm is not finite —
-    before anything of that step is saved — and raises :class:`Preempted` after checkpointing on SIGTERM.
+    before anything of that step is saved — and raises :class:`Interrupted` at the end of a step on SIGINT or
+    SIGTERM, after checkpointing with --save.
     """
     world = Communicator()
     if args.auto:
@@ -680,7 +691,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     if data_note:
         progress.note(data_note)
 
-    preemption = PreemptionWatch(world, enabled=bool(args.save))
+    interrupt = InterruptWatch(world)
     if args.trace:
         trace.start(world)
     records, step, finished = [], first_step, False
@@ -741,16 +752,16 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                 val = {"step": step + 1, "val_loss": val_loss}
                 records.append(val)
                 progress.evaluation(val)
-            stop = preemption.requested()
+            stop = interrupt.requested()
             if args.save and (stop or last or (args.save_interval and (step + 1) % args.save_interval == 0)):
                 saved = checkpoint(args, step + 1, engine, optimizer, model, mesh, layout, scaler, local_sgd)
                 progress.say(f"checkpoint {saved}")
                 if last or stop:
                     progress.written.append(f"checkpoint: {saved} (resume with --resume {args.save})")
             if stop:
-                progress.note(f"SIGTERM: stopped after step {step + 1} of {args.steps}, checkpoint written; "
-                              f"resume with --resume {args.save}")
-                raise Preempted(f"preempted after step {step + 1}")
+                saved_to = f"; checkpoint saved to {saved} (resume with --resume {args.save})" if args.save else ""
+                progress.note(f"interrupted at step {step + 1} ({signal.Signals(stop).name}){saved_to}")
+                raise Interrupted(stop, f"interrupted at step {step + 1}")
         if local_sgd:
             local_sgd.finish()  # the outstanding rounds: every replica ends equal
         if args.trace:
@@ -765,7 +776,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                                     f"{args.out})")
         finished = True
     finally:
-        preemption.close()
+        interrupt.close()
         if args.peak_memory:
             tracemalloc.stop()
         progress.close(step + 1 if records else first_step, finished)

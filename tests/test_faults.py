@@ -1,6 +1,6 @@
 """The training CLI under faults: an error on one rank ends the whole job within seconds, with one line
 naming the rank and no temporary files left; a diverged run stops with an error and saves nothing;
-SIGTERM checkpoints and stops; errors every rank shares are printed once."""
+SIGINT and SIGTERM finish the step, checkpoint and stop; errors every rank shares are printed once."""
 import glob
 import json
 import os
@@ -102,30 +102,43 @@ def _rank_pids(marker):
     return pids
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_sigterm_checkpoints_then_stops(tmp_path, ranks):
-    save = str(tmp_path / "save")
+@pytest.mark.parametrize("ranks,how,save", [(1, "SIGTERM", True), (2, "SIGTERM", True), (1, "SIGINT", True),
+                                            (2, "SIGINT", True), (2, "SIGINT", False)])
+def test_interrupt_finishes_the_step_checkpoints_and_stops(tmp_path, ranks, how, save):
+    """SIGTERM to one rank (a node's preemption notice) or SIGINT to the whole process group (Ctrl-C in a
+    terminal): every rank finishes the same step, one checkpoint of it is written (with --save), one line says
+    so — once, not per rank — and the exit status is 128 + the signal; never a traceback."""
+    where = str(tmp_path / "save")
     command = [sys.executable, "-m", "minipar", "train", *TINY, "--steps", "100000", "--json", "--eval-interval", "0",
-               "--save", save, *(["--dp", "2"] if ranks > 1 else [])]
+               "--log-file", str(tmp_path / "run.jsonl"), *(["--save", where] if save else []),
+               *(["--dp", "2"] if ranks > 1 else [])]
     if ranks > 1:
         command = [mpiexec(), "-n", str(ranks), *command]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, env={**os.environ, **RANK_ENV})
+    signum = getattr(signal, how)
     try:
         first = proc.stdout.readline()
         assert _strict_json(first)["step"] == 1
-        pids = _rank_pids(save)
+        pids = _rank_pids(str(tmp_path / "run.jsonl"))
         assert len(pids) == ranks
-        os.kill(pids[-1], signal.SIGTERM)  # one rank only, as a node's preemption notice would
+        if how == "SIGTERM":
+            os.kill(pids[-1], signum)  # one rank only
+        else:
+            os.killpg(proc.pid, signum)  # the terminal's Ctrl-C reaches the whole foreground group
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 143, err
-    last = [_strict_json(line) for line in [first, *out.splitlines()]][-1]["step"]
-    assert "SIGTERM: stopped after step" in err
-    assert load_checkpoint(save).step == last
-    assert _no_temporaries(save)
+    assert proc.returncode == 128 + signum, err
+    ours = [line for line in [first, *out.splitlines()] if not line.startswith("[mpiexec@")]  # hydra's Ctrl-C notes
+    last = [_strict_json(line) for line in ours][-1]["step"]
+    line = f"interrupted at step {last} ({how})" + (f"; checkpoint saved to {where}/step_{last:06d}" if save else "")
+    assert err.count("interrupted") == 1 and line in err, err
+    assert "Traceback" not in err
+    if save:
+        assert load_checkpoint(where).step == last
+        assert _no_temporaries(where)
 
 
 def test_errors_every_rank_shares_are_printed_once():
