@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -32,7 +33,7 @@ import numpy as np
 from minipar import trace
 from minipar.backend import KERNEL_MODES, memory_available, set_device, set_kernels, xp
 from minipar.checkpoint import Checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
-from minipar.comm import Communicator
+from minipar.comm import Communicator, start_watchdog
 from minipar.data import Batches, load_tokens, shard_rows, split_tokens
 from minipar.models.gpt import GPT, RECOMPUTE, GPTConfig, hf_config
 from minipar.optim import AdamW, LossScaler, cosine_lr
@@ -119,6 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     io.add_argument("--json", action="store_true", help="one JSON object per step instead of a text line")
     io.add_argument("--log-interval", type=int, default=1, metavar="N", help="print progress every N steps")
     io.add_argument("--log-file", metavar="RUN.jsonl", help="also write every step's JSON record to this file")
+    io.add_argument("--comm-timeout", type=float, default=600.0, metavar="SECONDS",
+                    help="abort the job when a rank waits longer than this for another in any collective or message "
+                         "(a stopped, deadlocked or diverged rank), naming both; 0: wait forever (default: 600, as "
+                         "NCCL's watchdog)")
     io.add_argument("--peak-memory", action="store_true",
                     help="trace host allocations (tracemalloc; slower) and report each step's peak bytes per rank")
 
@@ -229,7 +234,8 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.min_lr is None:  # a tenth of the peak, whatever the peak (2e-4 for the default 2e-3)
         args.min_lr = args.lr / 10
-    for name in ("lr", "min_lr", "warmup", "grad_clip", "weight_decay", "eval_interval", "save_interval", "keep_last"):
+    for name in ("lr", "min_lr", "warmup", "grad_clip", "weight_decay", "eval_interval", "save_interval", "keep_last",
+                 "comm_timeout"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     explicit = getattr(args, "explicit", set())  # the flags written on the command line
@@ -642,6 +648,22 @@ def load_data(args: argparse.Namespace, block: int) -> tuple[np.ndarray, Batches
     return tokens, batches, Batches(val_tokens, args.batch_size, block, seed=args.seed + 1), None
 
 
+def check_ranks_agree(world: Communicator, what: str, values: dict[str, Any]) -> None:
+    """Raise the same one-line ValueError on every rank if the ranks were started with different ``values`` (their
+    flags; the digest of their data) — a job whose ranks disagree would hang or train something else."""
+    if world.size == 1:
+        return
+    mine = json.dumps(values, sort_keys=True, default=str).encode()
+    every = [json.loads(b) for b in world.all_gather_bytes(mine, label="startup")]
+    for key in sorted(values):
+        seen = [json.dumps(v.get(key)) for v in every]
+        if len(set(seen)) > 1:
+            flag = f"--{key.replace('_', '-')} " if what == "arguments" else ""
+            per_rank = ", ".join(f"{json.loads(v) if v != 'null' else 'not given'} on rank {r}"
+                                 for r, v in enumerate(seen[:8]))
+            raise ValueError(f"ranks' {what} differ: {flag}{per_rank}{', ...' if len(seen) > 8 else ''}")
+
+
 def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Run the training job described by ``args`` on every rank; returns the per-step records.
 
@@ -650,6 +672,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     SIGTERM, after checkpointing with --save.
     """
     world = Communicator()
+    check_ranks_agree(world, "arguments", {k: v for k, v in vars(args).items() if k != "explicit"})
+    start_watchdog(args.comm_timeout)
     if args.auto:
         choose_layout(args, world)
     args.recompute = args.recompute or "none"
@@ -659,6 +683,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     set_kernels(args.kernels)
     block = cfg.block_size
     tokens, batches, val_batches, data_note = load_data(args, block)
+    check_ranks_agree(world, "data", {"data": f"{args.data or 'the embedded corpus'} (sha256 "
+                                              f"{hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest()[:12]})"})
     if args.peak_memory:  # after the corpus is loaded, before the model is built: the peak includes the model state
         tracemalloc.start()
     mesh = layout.mesh(world)

@@ -1,6 +1,7 @@
 """The training CLI under faults: an error on one rank ends the whole job within seconds, with one line
 naming the rank and no temporary files left; a diverged run stops with an error and saves nothing;
-SIGINT and SIGTERM finish the step, checkpoint and stop; errors every rank shares are printed once."""
+SIGINT and SIGTERM finish the step, checkpoint and stop; a stalled rank ends the job within --comm-timeout;
+ranks started with different flags or data refuse to start; errors every rank shares are printed once."""
 import glob
 import json
 import os
@@ -139,6 +140,52 @@ def test_interrupt_finishes_the_step_checkpoints_and_stops(tmp_path, ranks, how,
     if save:
         assert load_checkpoint(where).step == last
         assert _no_temporaries(where)
+
+
+def test_a_stalled_rank_ends_the_job(tmp_path):
+    """A rank stopped mid-run (SIGSTOP): within --comm-timeout the rank waiting for it names the collective and the
+    silent rank, and the job ends (MPI_Abort) instead of hanging."""
+    log = str(tmp_path / "run.jsonl")
+    command = [mpiexec(), "-n", "2", sys.executable, "-m", "minipar", "train", *TINY, "--steps", "100000", "--json",
+               "--eval-interval", "0", "--dp", "2", "--comm-timeout", "2", "--log-file", log]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, **RANK_ENV})
+    try:
+        assert _strict_json(proc.stdout.readline())["step"] == 1
+        stopped = _rank_pids(log)[-1]
+        os.kill(stopped, signal.SIGSTOP)
+        start = time.monotonic()
+        _, err = proc.communicate(timeout=30)
+        waited = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0 and 2 <= waited < 20, (proc.returncode, waited, err)
+    lines = [line for line in err.splitlines() if "did not answer" in line]
+    assert lines, err
+    line = lines[0]
+    waiter, silent = int(line.split("rank ")[1].split()[0]), int(line.split("for rank ")[1].split(",")[0])
+    assert {waiter, silent} == {0, 1} and " in all_reduce" in line and "(--comm-timeout 2)" in line, line
+
+
+@pytest.mark.parametrize("case", ["flags", "data"])
+def test_ranks_started_differently_are_refused(tmp_path, case):
+    """Ranks launched with different flags (MPMD) or reading different data under the same path (their own
+    working directories) refuse to start, in one line naming what differs on which rank — not a hang."""
+    for rank in (0, 1):
+        (tmp_path / str(rank)).mkdir()
+        (tmp_path / str(rank) / "corpus.txt").write_text(f"the corpus of rank {rank} " * 200)
+    run = [sys.executable, "-m", "minipar", "train", *TINY, "--eval-interval", "0", "--data", "corpus.txt", "--dp", "2"]
+    steps = ("3", "5") if case == "flags" else ("3", "3")
+    command = [*run, "--steps", steps[0], ":", "-n", "1", "-wdir", str(tmp_path / "1"), *run, "--steps", steps[1]]
+    if case == "data":
+        (tmp_path / "1" / "corpus.txt").write_text("another text entirely " * 200)
+    with pytest.raises(AssertionError) as failure:
+        run_command(1, command, timeout=60, launcher=["-wdir", str(tmp_path / "0")])
+    report = str(failure.value)
+    expected = ("ranks' arguments differ: --steps 3 on rank 0, 5 on rank 1" if case == "flags" else
+                "ranks' data differ: corpus.txt (sha256 ")
+    assert report.count(expected) == 1 and "exit 2" in report, report
 
 
 def test_errors_every_rank_shares_are_printed_once():

@@ -23,6 +23,12 @@ Arrays. Messages travel as raw bytes, so any numpy dtype works; reductions are n
 the host. cupy arrays are staged: copied to the host (which synchronizes the stream) before any
 MPI call and copied back after.
 
+Watchdog (:func:`start_watchdog`, ``train --comm-timeout``, as NCCL's). Every blocking wait on a peer — a
+send, a receive, a send-receive, an async handle's wait — records whom it waits for, in which collective;
+a daemon thread looks once a second, and a wait older than the timeout prints "rank r waited T s in
+<collective> (<label>) on <communicator> for rank q, which did not answer" and aborts the job
+(``MPI_Abort``): a stopped, deadlocked or diverged rank ends the run instead of hanging it.
+
 Debug mode (``MINIPAR_DEBUG=1``). Before every collective the ranks send (sequence number, op,
 dtype, shape, call site) to rank 0, which compares them and answers; a mismatch raises a
 ``CollectiveMismatch`` on every rank naming both sides, and a rank that does not arrive within
@@ -34,6 +40,7 @@ import itertools
 import json
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -88,12 +95,61 @@ class _Running:
     sent so far and its algorithm. Collectives on one communicator execute one at a time, so one record
     suffices; a point-to-point call from another thread meanwhile is not counted into it."""
 
-    __slots__ = ("thread", "sent", "algorithm")
+    __slots__ = ("thread", "sent", "algorithm", "name")
 
     def __init__(self) -> None:
         self.thread: int | None = None
         self.sent = 0
         self.algorithm: str | None = None
+        self.name = ""  # "all_reduce (grads)": what the watchdog reports
+
+
+class _Waits:
+    """What every thread of this process is blocked on now: thread -> (what, peer's world rank, since)."""
+
+    def __init__(self) -> None:
+        self.lock, self.now = threading.Lock(), {}
+        self.timeout = 0.0  # 0: no watchdog
+
+    def begin(self, what: str, peer: int) -> None:
+        if self.timeout:
+            with self.lock:
+                self.now[threading.get_ident()] = (what, peer, time.monotonic())
+
+    def end(self) -> None:
+        if self.timeout:
+            with self.lock:
+                self.now.pop(threading.get_ident(), None)
+
+    def oldest(self) -> tuple[str, int, float] | None:
+        with self.lock:
+            return min(self.now.values(), key=lambda w: w[2], default=None)
+
+
+_WAITS = _Waits()
+
+
+def start_watchdog(timeout: float) -> None:
+    """Abort the job when any wait on a peer lasts longer than ``timeout`` seconds (module docstring); once per
+    process, from any thread. 0 turns it off."""
+    first = not _WAITS.timeout
+    _WAITS.timeout = float(timeout)
+    if not first or not timeout:
+        return
+
+    def watch() -> None:
+        while True:
+            time.sleep(min(1.0, _WAITS.timeout / 10))
+            oldest = _WAITS.oldest()
+            if oldest is not None and time.monotonic() - oldest[2] > _WAITS.timeout:
+                what, peer, since = oldest
+                me = MPI.COMM_WORLD.Get_rank()
+                print(f"minipar: rank {me} waited {time.monotonic() - since:.0f} s in {what} for rank {peer}, which "
+                      f"did not answer (--comm-timeout {_WAITS.timeout:g}); aborting the job", file=sys.stderr, flush=True)
+                time.sleep(0.5)  # let mpiexec forward the line: MPI_Abort's kill can overtake the rank's output
+                MPI.COMM_WORLD.Abort(3)
+
+    threading.Thread(target=watch, name="minipar-watchdog", daemon=True).start()
 
 
 class Handle:
@@ -171,6 +227,8 @@ class Communicator:
         self._worker: _Worker | None = None
         self._running = _Running()  # the collective executing now (one at a time per communicator)
         self._stats_lock = threading.Lock()
+        self._world_ranks = MPI.Group.Translate_ranks(self.mpi.Get_group(), list(range(self.size)),
+                                                      MPI.COMM_WORLD.Get_group())
         if mpi_comm is None and self.size > 1:
             global _SHARED_NODE
             node = self.mpi.Split_type(MPI.COMM_TYPE_SHARED)
@@ -218,25 +276,39 @@ class Communicator:
         else:
             self._record(label or "p2p", nbytes)
 
+    def _waiting(self, peer: int) -> None:
+        """Tell the watchdog this thread now blocks on ``peer`` (a rank of this communicator)."""
+        if not _WAITS.timeout:
+            return
+        running = self._running
+        what = (f"{running.name} on communicator {self.name}" if running.thread == threading.get_ident()
+                else f"a point-to-point message on communicator {self.name}")
+        _WAITS.begin(what, self._world_ranks[peer])
+
     def sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int, tag: int) -> None:
         """Send ``send`` to ``dest`` while receiving ``recv`` from ``source`` (contiguous host arrays)."""
+        self._waiting(source)
         self.mpi.Sendrecv([send, MPI.BYTE], dest, tag, [recv, MPI.BYTE], source, tag)
+        _WAITS.end()
         self._sent(send.nbytes)
 
     def send(self, x: Any, dest: int, tag: int = 0, label: str | None = None) -> None:
         """Blocking send of an xp array (cupy arrays are staged through the host); bytes filed under ``label``."""
         host = np.ascontiguousarray(to_host(x))
+        self._waiting(dest)
         self.mpi.Send([host, MPI.BYTE], dest, tag)
+        _WAITS.end()
         self._sent(host.nbytes, label)
 
     def recv(self, x: Any, source: int, tag: int = 0) -> Any:
         """Blocking receive into the preallocated xp array ``x``; returns ``x``."""
-        if on_gpu(x) or not x.flags.c_contiguous:
-            host = np.empty(x.shape, x.dtype)
-            self.mpi.Recv([host, MPI.BYTE], source, tag)
+        direct = not on_gpu(x) and x.flags.c_contiguous
+        host = x if direct else np.empty(x.shape, x.dtype)
+        self._waiting(source)
+        self.mpi.Recv([host, MPI.BYTE], source, tag)
+        _WAITS.end()
+        if not direct:
             x[...] = _like(x, host)
-        else:
-            self.mpi.Recv([x, MPI.BYTE], source, tag)
         return x
 
     def isend(self, x: Any, dest: int, tag: int = 0, label: str | None = None) -> Handle:
@@ -244,7 +316,7 @@ class Communicator:
         host = np.ascontiguousarray(to_host(x))
         request = self.mpi.Isend([host, MPI.BYTE], dest, tag)
         self._sent(host.nbytes, label)
-        return _RequestHandle(request, keep_alive=host)
+        return _RequestHandle(request, keep_alive=host, waits=(self, dest))
 
     def irecv(self, x: Any, source: int, tag: int = 0) -> Handle:
         """Non-blocking receive into ``x``; ``wait()`` returns ``x`` once the data has arrived."""
@@ -252,7 +324,7 @@ class Communicator:
         host = x if direct else np.empty(x.shape, x.dtype)
         request = self.mpi.Irecv([host, MPI.BYTE], source, tag)
         finish = None if direct else (lambda: x.__setitem__(Ellipsis, _like(x, host)))
-        return _RequestHandle(request, keep_alive=host, on_complete=finish, result=x)
+        return _RequestHandle(request, keep_alive=host, on_complete=finish, result=x, waits=(self, source))
 
     # ------------------------------------------------------------------------------ collectives
     def all_reduce(self, x: Any, op: str = "sum", async_op: bool = False, algorithm: str | None = None,
@@ -534,6 +606,7 @@ class Communicator:
         tag = COLLECTIVE_TAG_BASE + sequence % (1 << 14)
         running = self._running
         running.thread, running.sent, running.algorithm = threading.get_ident(), 0, None
+        running.name = name if key == name else f"{name} ({key})"
         start = time.perf_counter()
         try:
             if site is not None:
@@ -609,9 +682,10 @@ class _RequestHandle(Handle):
     """A Handle over an MPI request (p2p isend/irecv)."""
 
     def __init__(self, request: MPI.Request, keep_alive: Any, on_complete: Callable[[], None] | None = None,
-                 result: Any = None):
+                 result: Any = None, waits: tuple[Communicator, int] | None = None):
         super().__init__()
         self._request, self._keep_alive, self._on_complete, self._value = request, keep_alive, on_complete, result
+        self._waits = waits  # (communicator, peer): whom wait() blocks on, for the watchdog
 
     def is_completed(self) -> bool:
         if not self._done.is_set() and self._request.Test():
@@ -620,7 +694,10 @@ class _RequestHandle(Handle):
 
     def wait(self) -> Any:
         if not self._done.is_set():
+            if self._waits is not None:
+                self._waits[0]._waiting(self._waits[1])
             self._request.Wait()
+            _WAITS.end()
             self._complete()
         return self._result
 
