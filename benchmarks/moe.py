@@ -21,12 +21,13 @@ from minipar.testing import train_cli
 
 L, H, C, T, B = 2, 4, 128, 64, 16
 MODEL = ["--n-layer", str(L), "--n-head", str(H), "--n-embd", str(C), "--block-size", str(T), "--batch-size", str(B),
-         "--eval-interval", "0", "--json", "--warmup", "1", "--expert-top-k", "1"]
+         "--eval-interval", "0", "--json", "--warmup", "1"]
 
 
 def run(ranks: int, n_expert: int, ep: int, steps: int) -> list[dict]:
     """The step records after the first of one run."""
-    args = [*MODEL, "--steps", str(steps), "--n-expert", str(n_expert), "--ep", str(ep)]
+    experts = ["--n-expert", str(n_expert), "--expert-top-k", "1"] if n_expert else []  # top-1: as wide as dense
+    args = [*MODEL, "--steps", str(steps), *experts, "--ep", str(ep)]
     return train_cli(args, ranks, timeout=900)[0][1:]
 
 

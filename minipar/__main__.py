@@ -105,6 +105,9 @@ def plan_command(args: argparse.Namespace) -> None:
         print("The planner against published runs (minipar/parallel/validation.py; A100-80GB profile):")
         print(validation.report(planner.BUILTIN_PROFILES["a100-80gb"]))
         return
+    for name in ("world", "batch_size", "n_layer", "n_head", "n_embd", "block_size", "top"):
+        if getattr(args, name, 1) is not None and getattr(args, name, 1) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.preset:
         L, H, C, T, V = planner.PRESETS[args.preset]
     else:

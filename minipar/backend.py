@@ -158,18 +158,40 @@ def device() -> str:
 
 
 def memory_available() -> float:
-    """Bytes a new allocation could still get on the active device: the GPU's free memory, or the host's
-    MemAvailable (what the kernel could hand out without swapping), else its physical memory."""
+    """Bytes a new allocation could still get on the active device: the GPU's free memory, or on the host the
+    least of MemAvailable (what the kernel could hand out without swapping; else the physical memory), this
+    process's address-space limit (RLIMIT_AS, ``ulimit -v``) less what it maps already, and its cgroup's limit
+    less the cgroup's usage (a container's memory)."""
     if _active is not numpy:
         return float(_active.cuda.Device().mem_info[0])
+    limits = [physical_memory()]
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
+            limits = [float(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:")] or limits
     except OSError:
         pass
-    return physical_memory()
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if soft != resource.RLIM_INFINITY:
+            with open("/proc/self/statm") as f:
+                mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            limits.append(float(soft - mapped))
+    except (ImportError, OSError, ValueError):
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),  # cgroup v2, v1
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as f, open(usage_file) as g:
+                text = f.read().strip()
+                if text != "max" and int(text) < 1 << 60:  # v1 writes a huge number for "no limit"
+                    limits.append(float(int(text) - int(g.read().strip())))
+            break
+        except (OSError, ValueError):
+            continue
+    return max(0.0, min(limits))
 
 
 def physical_memory() -> float:

@@ -164,13 +164,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto timeline")
     par.add_argument("--auto", action="store_true",
                      help="let the planner choose the layout (dp/tp/pp/cp/sp/ep, schedule, zero, shard group, microbatches, "
-                          "and the recomputation unless --recompute is given) for this many ranks")
+                          "and the recomputation unless --recompute is given) for this many ranks; a layout flag "
+                          "given with it is refused (the plan would override it)")
     par.add_argument("--profile", help="hardware profile for --auto (default: this machine's, calibrated if missing)")
+
+
+AUTO_CHOOSES = {"dp", "tp", "pp", "zero", "microbatches", "schedule", "cp", "cp_kind", "sp", "ep", "virtual_stages",
+                "cp_split", "shard_group"}  # what --auto decides (and --recompute, unless given)
 
 
 def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
     """--auto: rank 0 plans (calibrating this machine if it has no profile yet, and saving that calibration
-    for the next run and for ``plan``); every rank takes its choice."""
+    for the next run and for ``plan``); every rank takes its choice. A layout flag written beside it is refused:
+    the plan would silently replace it."""
+    given = sorted(AUTO_CHOOSES & getattr(args, "explicit", set()))
+    if given:
+        raise ValueError(f"--auto chooses the layout itself: drop --{given[0].replace('_', '-')}")
     try:
         profile = planner.load_profile(args.profile, world.size)
     except FileNotFoundError:
@@ -194,8 +203,7 @@ def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
         choice = None
     choice = json.loads(world.all_gather_bytes(json.dumps(choice).encode(), label="plan")[0])
     layout = Layout(**{f.name: choice[f.name] for f in dataclasses.fields(Layout)})
-    for name in ("dp", "tp", "pp", "zero", "microbatches", "schedule", "recompute", "cp", "cp_kind", "sp", "ep",
-                 "virtual_stages", "cp_split"):  # the layout's degrees and options become the run's arguments
+    for name in sorted(AUTO_CHOOSES - {"shard_group"}) + ["recompute"]:  # the layout's choices become the arguments
         setattr(args, name, getattr(layout, name))
     args.shard_group = layout.shard_group or None
     if world.rank == 0 and not args.json:
@@ -225,6 +233,24 @@ MODEL_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_expert", "expert_
                "aux_loss_coef")
 
 
+# flags that only mean something in some mode: written without it, they are refused (name: (the mode, whether on))
+FLAG_NEEDS: dict[str, tuple[str, Any]] = {
+    "loss_scale": ("--precision fp16-mixed", lambda a: a.precision == "fp16-mixed"),
+    "expert_top_k": ("--n-expert", lambda a: a.n_expert > 0 or bool(a.resume)),
+    "capacity_factor": ("--n-expert", lambda a: a.n_expert > 0 or bool(a.resume)),
+    "aux_loss_coef": ("--n-expert", lambda a: a.n_expert > 0 or bool(a.resume)),
+    "topk_ratio": ("--compression topk", lambda a: a.compression == "topk"),
+    "powersgd_rank": ("--compression powersgd", lambda a: a.compression == "powersgd"),
+    "outer_lr": ("--local-sgd", lambda a: a.local_sgd > 0),
+    "outer_momentum": ("--local-sgd", lambda a: a.local_sgd > 0),
+    "staleness": ("--local-sgd", lambda a: a.local_sgd > 0),
+    "cp_kind": ("--cp 2 or more", lambda a: a.cp > 1),
+    "cp_split": ("--cp 2 or more", lambda a: a.cp > 1),
+    "no_prefetch": ("--zero 3", lambda a: a.zero == 3),
+    "save_interval": ("--save", lambda a: bool(a.save)),
+}
+
+
 def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | None) -> tuple[GPTConfig, Layout]:
     """Reject bad input before anything is built or communicated (every rank reaches the same verdict): the run's
     own values here, the parallel layout's rules in :meth:`Layout.validate`. Fills in ``args.dp`` when it was left
@@ -243,8 +269,9 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
         raise ValueError(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}: the cosine schedule would raise the rate")
     if args.loss_scale <= 0:
         raise ValueError(f"--loss-scale must be positive, got {args.loss_scale:g}")
-    if "loss_scale" in explicit and args.precision != "fp16-mixed":
-        raise ValueError("--loss-scale scales fp16 gradients: it needs --precision fp16-mixed")
+    for name, (needs, has) in FLAG_NEEDS.items():
+        if name in explicit and not has(args):
+            raise ValueError(f"--{name.replace('_', '-')} has no effect here: it needs {needs}")
     check_output_paths(args)
     layout = Layout.from_args(args, world_size)
     args.dp, args.cp_split = layout.dp, layout.cp_split
@@ -491,16 +518,27 @@ class Progress:
         self.best_val: float | None = None
         self.written: list[str] = []
         self.log = open(args.log_file, "a" if first_step else "w", encoding="utf-8") if lead and args.log_file else None
+        self.stdout_closed = False  # the reader went away (``minipar train | head``): the loop then stops quietly
+
+    def _print(self, text: str, stream: Any = None) -> None:
+        stream = stream or sys.stdout
+        if stream is sys.stdout and self.stdout_closed:
+            return
+        try:
+            print(text, file=stream, flush=True)
+        except BrokenPipeError:
+            self.stdout_closed = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python exits
 
     def say(self, text: str) -> None:
         """A line for people reading the console (not printed with --json)."""
         if self.lead and not self.as_json:
-            print(text, flush=True)
+            self._print(text)
 
     def note(self, text: str) -> None:
         """A line nobody should miss: on stdout, or on stderr with --json (whose stdout stays pure JSON)."""
         if self.lead:
-            print(text, file=sys.stderr if self.as_json else sys.stdout, flush=True)
+            self._print(text, sys.stderr if self.as_json else sys.stdout)
 
     def step(self, record: dict[str, Any]) -> None:
         self.tokens += record["tokens"]
@@ -510,15 +548,15 @@ class Progress:
         record["eta_s"] = elapsed / (record["step"] - self.first_step) * (self.steps - record["step"])
         self._write(record)
         if self.lead and (record["step"] % self.interval == 0 or record["step"] == self.steps):
-            print(json_line(record) if self.as_json else format_step(record), flush=True)
+            self._print(json_line(record) if self.as_json else format_step(record))
 
     def evaluation(self, record: dict[str, Any]) -> None:
         if math.isfinite(record["val_loss"]):
             self.best_val = record["val_loss"] if self.best_val is None else min(self.best_val, record["val_loss"])
         self._write(record)
         if self.lead:
-            print(json_line(record) if self.as_json else
-                  f"eval step {record['step']:>5} | val loss {record['val_loss']:.4f}", flush=True)
+            self._print(json_line(record) if self.as_json else
+                        f"eval step {record['step']:>5} | val loss {record['val_loss']:.4f}")
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.log:
@@ -537,9 +575,9 @@ class Progress:
         summary = (f"done: {trained} steps in {_duration(wall)}, "
                    f"{self.tokens / max(self.step_seconds, 1e-9):,.0f} tokens/s on average")
         summary += f", best val loss {self.best_val:.4f}" if self.best_val is not None else ""
-        print(summary, flush=True)
+        self._print(summary)
         for line in self.written:
-            print(f"  wrote {line}", flush=True)
+            self._print(f"  wrote {line}")
 
 
 def format_step(record: dict[str, Any]) -> str:
@@ -597,6 +635,10 @@ class InterruptWatch:
         if self.signum:
             raise KeyboardInterrupt
         self.signum = signum
+
+    def request(self, signum: int) -> None:
+        """Stop at this step's end as if ``signum`` had arrived (SIGPIPE: rank 0's reader went away)."""
+        self.signum = self.signum or signum
 
     def requested(self) -> int:
         """The signal every rank agrees on after this step (0: none)."""
@@ -778,6 +820,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                 val = {"step": step + 1, "val_loss": val_loss}
                 records.append(val)
                 progress.evaluation(val)
+            if progress.stdout_closed:
+                interrupt.request(signal.SIGPIPE)
             stop = interrupt.requested()
             if args.save and (stop or last or (args.save_interval and (step + 1) % args.save_interval == 0)):
                 saved = checkpoint(args, step + 1, engine, optimizer, model, mesh, layout, scaler, local_sgd)

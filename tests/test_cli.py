@@ -75,7 +75,21 @@ def test_text_progress_line():
     (["train", "--min-lr", "0.1"], "--min-lr 0.1 is above --lr 0.002: the cosine schedule would raise the rate"),
     (["train", "--lr", "1e-4", "--min-lr", "2e-4"], "--min-lr 0.0002 is above --lr 0.0001"),
     (["train", "--precision", "fp16-mixed", "--loss-scale=-1"], "--loss-scale must be positive, got -1"),
-    (["train", "--loss-scale", "1024"], "--loss-scale scales fp16 gradients: it needs --precision fp16-mixed"),
+    (["train", "--loss-scale", "1024"], "--loss-scale has no effect here: it needs --precision fp16-mixed"),
+    (["train", "--capacity-factor", "2"], "--capacity-factor has no effect here: it needs --n-expert"),
+    (["train", "--expert-top-k", "1"], "--expert-top-k has no effect here: it needs --n-expert"),
+    (["train", "--topk-ratio", "0.1"], "--topk-ratio has no effect here: it needs --compression topk"),
+    (["train", "--compression", "topk", "--powersgd-rank", "2"], "--powersgd-rank has no effect here: it needs "
+                                                                  "--compression powersgd"),
+    (["train", "--staleness", "1"], "--staleness has no effect here: it needs --local-sgd"),
+    (["train", "--outer-lr", "1"], "--outer-lr has no effect here: it needs --local-sgd"),
+    (["train", "--cp-kind", "ulysses"], "--cp-kind has no effect here: it needs --cp 2 or more"),
+    (["train", "--zero", "1", "--no-prefetch"], "--no-prefetch has no effect here: it needs --zero 3"),
+    (["train", "--save-interval", "5"], "--save-interval has no effect here: it needs --save"),
+    (["train", "--auto", "--tp", "1"], "--auto chooses the layout itself: drop --tp"),
+    (["train", "--comm-timeout", "-1"], "--comm-timeout must be >= 0"),
+    (["plan", "--world", "0"], "--world must be positive, got 0"),
+    (["plan", "--batch-size", "0"], "--batch-size must be positive, got 0"),
     (["train", "--out", "/etc/passwd/model"], "--out /etc/passwd/model: cannot write there (Not a directory)"),
     (["train", "--save", "/etc/passwd/ckpt"], "--save /etc/passwd/ckpt: cannot write there (Not a directory)"),
     (["train", "--trace", "/etc/passwd/t.json"], "--trace /etc/passwd/t.json: cannot write there (Not a directory)"),
@@ -88,6 +102,31 @@ def test_bad_input_is_one_clear_error(args, message):
     assert message in out.stderr and "Traceback" not in out.stderr
     if "unrecognized" not in message:  # argparse's own errors come with the usage text
         assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_the_memory_check_honours_an_address_space_limit():
+    """Under ``ulimit -v 3 GB`` a run that needs 23 GB is refused in one line before building anything (reading
+    MemAvailable alone, it started and died in a MemoryError traceback)."""
+    import resource
+
+    limit = lambda: resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))  # noqa: E731
+    out = subprocess.run([sys.executable, "-m", "minipar", "train", "--n-layer", "2", "--block-size", "4096",
+                          "--steps", "1"], capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    assert out.returncode == 2 and "GB is available on the cpu" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_closed_stdout_ends_the_run_quietly(as_json):
+    """``minipar train | head -1``: when the reader goes away the run stops at that step's end, exit 141 (128 +
+    SIGPIPE) as a shell pipeline expects, without a traceback or "Broken pipe"."""
+    command = [sys.executable, "-m", "minipar", "train", *TINY, "--steps", "100000", *(["--json"] if as_json else [])]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.readline()
+    proc.stdout.close()  # as head does after its line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "Broken pipe" not in err and "rror" not in err, err
 
 
 def test_data_too_short_names_the_split(tmp_path):

@@ -131,10 +131,10 @@ _WAITS = _Waits()
 
 def start_watchdog(timeout: float) -> None:
     """Abort the job when any wait on a peer lasts longer than ``timeout`` seconds (module docstring); once per
-    process, from any thread. 0 turns it off."""
+    process, from any thread. 0 (or less) turns it off."""
     first = not _WAITS.timeout
-    _WAITS.timeout = float(timeout)
-    if not first or not timeout:
+    _WAITS.timeout = max(0.0, float(timeout))
+    if not first or not _WAITS.timeout:
         return
 
     def watch() -> None:
