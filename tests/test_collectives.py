@@ -364,6 +364,39 @@ def _mismatched_shapes():
         raise AssertionError("the shape mismatch went undetected")
 
 
+def _mismatched_algorithms():
+    comm = Communicator()
+    try:
+        comm.all_reduce(np.ones(8), algorithm="ring" if comm.rank else "recursive_doubling")
+    except CollectiveMismatch as e:
+        assert "algorithm=ring" in str(e) and "algorithm=recursive_doubling" in str(e), str(e)
+    else:
+        raise AssertionError("ranks running different algorithms went undetected")
+
+
+def _read_only_buffers_fail_before_any_message():
+    """A read-only buffer is refused on the rank that holds it before anything is sent: with every rank's read-only
+    (p = 3, 5 under recursive doubling hung), every rank raises; the next collective still works."""
+    comm = Communicator()
+    frozen = np.ones(6)
+    frozen.flags.writeable = False
+    for algorithm in ("ring", "recursive_doubling", "rabenseifner"):
+        with pytest.raises(ValueError, match="all_reduce: its buffer is read-only"):
+            comm.all_reduce(frozen, algorithm=algorithm)
+    with pytest.raises(ValueError, match="reduce_scatter: out is read-only"):
+        comm.reduce_scatter(np.ones(2 * comm.size), out=frozen[:2])
+    with pytest.raises(ValueError, match="broadcast: its buffer is read-only"):
+        comm.broadcast(frozen)
+    x = np.ones(6)
+    comm.all_reduce(x)
+    assert (x == comm.size).all() and comm.all_gather(frozen).size == 6 * comm.size  # reading one is fine
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+def test_read_only_buffers_fail_before_any_message(p):
+    run_ranks(p, _read_only_buffers_fail_before_any_message)
+
+
 def _one_rank_skips():
     comm = Communicator()
     if comm.rank != 1:
@@ -381,6 +414,7 @@ def test_debug_mode_names_both_sides(p):
     env = {"MINIPAR_DEBUG": "1", "MINIPAR_DEBUG_TIMEOUT": "2"}
     run_ranks(p, _mismatched_collectives, env=env, timeout=60)
     run_ranks(p, _mismatched_shapes, env=env, timeout=60)
+    run_ranks(p, _mismatched_algorithms, env=env, timeout=60)
     run_ranks(p, _one_rank_skips, env=env, timeout=60)
 
 
@@ -498,12 +532,63 @@ def _hierarchical(per_node):
 
 
 def _hierarchical_refused_on_uneven_nodes():
+    """Asked for by name, the hierarchical all-reduce is refused on nodes of unequal size; chosen by cost — with
+    links between nodes slow enough that it would win on even nodes — a flat algorithm runs instead, at every
+    size, and equals MPI's sum."""
+    from minipar.comm.tuning import CostModel
+
     comm = Communicator(MPI.COMM_WORLD.Dup())
     with pytest.raises(ValueError, match="several nodes with the same number of ranks"):
         comm.all_reduce(np.ones(3), algorithm="hierarchical")
-    x = np.ones(1 << 16)
-    comm.all_reduce(x)  # the automatic choice never picks it here
-    assert comm.stats["all_reduce"].algorithm != "hierarchical" and (x == comm.size).all()
+    comm._cost = CostModel(alpha=5e-6, beta=1e-10, gamma=2e-10, alpha_inter=50e-6, beta_inter=1e-9)
+    if comm._node_count() > 1 and comm.size % comm._node_count() == 0:  # the model alone would pick it here
+        assert comm._cost.best("all_reduce", 8 << 18, comm.size, comm._node_count()) == "hierarchical"
+    for n in (0, 1, comm.size - 1, 1 << 10, 1 << 18):
+        x = np.full(n, comm.rank + 1.0)
+        comm.all_reduce(x)
+        assert comm.stats["all_reduce"].algorithm != "hierarchical" and (x == comm.size * (comm.size + 1) / 2).all()
+
+
+def _every_rank_gets_the_same_bits():
+    """Every all-reduce algorithm hands every rank the same bits where IEEE operands do not commute bitwise: max of
+    −0 and +0, sums of NaNs with different signs and payloads, and ordinary sums (the ring's and Rabenseifner's
+    chunks are reduced once; recursive doubling's partners combine in rank order)."""
+    comm = Communicator(MPI.COMM_WORLD.Dup())
+    r, p = comm.rank, comm.size
+    nans = np.array([0x7FF8000000000001 + r, 0xFFF8000000000000 + 7 * r], np.uint64).view(np.float64)
+    cases = {"max": np.array([-0.0, 0.0, -0.0] if r % 2 else [0.0, -0.0, -0.0]),
+             "sum": np.concatenate([nans, np.random.default_rng(r).standard_normal(5) * 10.0 ** r])}
+    for algorithm in ("ring", "recursive_doubling", "rabenseifner"):
+        for op, x in cases.items():
+            got = comm.all_reduce(x.copy(), op=op, algorithm=algorithm)
+            every = MPI.COMM_WORLD.allgather(got.tobytes())
+            assert len(set(every)) == 1, (algorithm, op, [np.frombuffer(b).tolist() for b in every])
+
+
+def test_16_bit_wires_keep_nans_and_state_float16s_range():
+    """bfloat16: a NaN whose payload sits in the high bits stays a NaN of its sign (rounding the bits turned it into
+    ±0), and every float32 that is no NaN rounds to nearest even as before; float16: the largest finite value
+    arrives as itself, |x| ≥ 65520 as ±inf (the documented range), never as a wrong finite number."""
+    from minipar.comm.collectives import WireCodec
+
+    bf16 = WireCodec("bfloat16")
+    nans = np.array([0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0x7F800001, 0xFF80FFFF], np.uint32).view(np.float32)
+    back = bf16.decode(bf16.encode(nans), np.dtype(np.float32))
+    assert np.isnan(back).all() and (np.signbit(back) == np.signbit(nans)).all()
+    ordinary = np.random.default_rng(0).standard_normal(10_000).astype(np.float32) * 1e3
+    ordinary = np.concatenate([ordinary, [np.inf, -np.inf, 0.0, -0.0, 3.3895314e38]]).astype(np.float32)
+    bits = ordinary.view(np.uint32)
+    expected = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)  # round half to even, by hand
+    assert (bf16.encode(ordinary) == expected).all()
+    fp16 = WireCodec("float16")
+    x = np.array([65504.0, 65519.0, 65520.0, -70000.0, np.nan])
+    got = fp16.decode(fp16.encode(x), np.dtype(np.float64))
+    assert got[:2].tolist() == [65504.0, 65504.0] and got[2:4].tolist() == [np.inf, -np.inf] and np.isnan(got[4])
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8])
+def test_every_rank_gets_the_same_bits(p):
+    run_ranks(p, _every_rank_gets_the_same_bits)
 
 
 @pytest.mark.parametrize("p,per_node", [(4, 2), (6, 2), (6, 3), (8, 2), (8, 4)])
@@ -511,7 +596,7 @@ def test_hierarchical_all_reduce(p, per_node):
     run_ranks(p, _hierarchical, per_node, timeout=120, env={"MINIPAR_RANKS_PER_NODE": str(per_node)})
 
 
-@pytest.mark.parametrize("p,per_node", [(5, 2), (3, 1), (4, 4)])
+@pytest.mark.parametrize("p,per_node", [(5, 2), (3, 1), (4, 4), (6, 4), (4, 3), (6, 5), (8, 6)])
 def test_hierarchical_needs_even_nodes(p, per_node):
     if p % per_node == 0 and p // per_node > 1:  # (3, 1): three one-rank nodes are even; the cross step is all
         run_ranks(p, _hierarchical, per_node, timeout=120, env={"MINIPAR_RANKS_PER_NODE": str(per_node)})

@@ -44,7 +44,10 @@ class WireCodec:
     """How a ring collective puts float32/64 chunks on the wire in 16 bits: encode before each send,
     decode after each receive, accumulate in the buffer's own precision. Rounding happens per hop,
     so the ring all-reduce sends half the bytes at the cost of ~2⁻¹¹ (fp16) or 2⁻⁸ (bf16) relative
-    error per addition."""
+    error per addition. Ranges: bfloat16 has float32's; float16 ends at 65504, and any |x| ≥ 65520 arrives
+    as ±inf — a non-finite result the training loop's check reports (an fp16 loss scale backs off), never a
+    wrong finite number. A NaN stays a NaN with its sign (bfloat16: its quiet bit set; rounding the bits
+    would carry a high payload into the exponent and sign and hand on ±0)."""
 
     def __init__(self, name: str):
         if name not in ("float16", "bfloat16"):
@@ -54,9 +57,12 @@ class WireCodec:
 
     def encode(self, x: np.ndarray) -> np.ndarray:
         if self.name == "float16":
-            return x.astype(np.float16)
+            with np.errstate(over="ignore"):  # |x| ≥ 65520 becomes ±inf, as the class says
+                return x.astype(np.float16)
         bits = x.astype(np.float32).view(np.uint32)  # round to nearest even on the upper 16 bits
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        nan = (bits & 0x7FFFFFFF) > 0x7F800000
+        return np.where(nan, (bits >> 16) | 0x0040, rounded).astype(np.uint16)
 
     def decode(self, wire: np.ndarray, dtype: np.dtype) -> np.ndarray:
         if self.name == "float16":
@@ -245,7 +251,9 @@ def recursive_doubling_all_reduce(comm: Any, buf: np.ndarray, op: str, tag: int)
     remaining p' ranks run the rounds; the even ranks then receive the result (MPICH's scheme).
     Each participating rank sends log₂p'·n bytes (+n for the folded pairs).
 
-    Each round adds into the copy it just received, not into the buffer it just sent: on shared
+    Both partners of a round combine the lower ranks' partial with the higher ranks' partial, in that order, so
+    every rank ends with the same bits (NaN payloads and signed zeros too). Each round adds into the copy it just
+    received, not into the buffer it just sent: on shared
     memory the partner has only now read those cache lines, and writing them back costs an
     ownership transfer per line (2–4× the add's time, measured at 64 KiB). The partial result
     alternates between ``buf`` and one scratch buffer, and is copied back once if it ends in the
@@ -263,12 +271,15 @@ def recursive_doubling_all_reduce(comm: Any, buf: np.ndarray, op: str, tag: int)
     partial, spare = buf, np.empty_like(buf)
     if r < 2 * extra:
         comm.recv(spare, r - 1, tag)
-        reduce(buf, spare, out=buf)  # buf was not sent: adding into it is cheap
+        reduce(spare, buf, out=buf)  # buf was not sent: adding into it is cheap
     mask = 1
     while mask < pof2:
         partner = _real(v ^ mask, extra)
         comm.sendrecv(partial, partner, spare, partner, tag)
-        reduce(partial, spare, out=spare)
+        # both partners compute op(lower ranks' partial, higher ranks' partial): the same bits on both — NaN
+        # payloads and signed zeros included, which op(own, received) would hand out differently
+        lower, higher = (spare, partial) if partner < r else (partial, spare)
+        reduce(lower, higher, out=spare)
         partial, spare = spare, partial
         mask <<= 1
     if partial is not buf:

@@ -356,7 +356,7 @@ class Communicator:
             else:
                 ALL_REDUCE[chosen](self, buf, op, tag)
 
-        return self._collective("all_reduce", x, async_op, run, label, op=op)
+        return self._collective("all_reduce", x, async_op, run, label, op=op, algorithm=algorithm)
 
     def reduce_scatter(self, x: Any, op: str = "sum", async_op: bool = False, label: str | None = None,
                        algorithm: str | None = None, out: Any = None) -> Any:
@@ -383,7 +383,8 @@ class Communicator:
                 return algo.ring_reduce_scatter(self, buf, op, tag, b, out=target)
             return algo.recursive_halving_reduce_scatter(self, buf, op, tag, b, target)
 
-        result = self._collective("reduce_scatter", x, async_op, run, label, op=op, in_place=False)
+        result = self._collective("reduce_scatter", x, async_op, run, label, op=op, in_place=False, algorithm=algorithm,
+                                  out=out)
         return result if out is None or not on_gpu(out) or async_op else _copy_into(out, result)
 
     def all_gather(self, x: Any, sizes: list[int] | None = None, async_op: bool = False,
@@ -413,7 +414,8 @@ class Communicator:
             ALL_GATHER[self._algorithm("all_gather", result.nbytes, algorithm)](self, result, tag, bounds)
             return result
 
-        result = self._collective("all_gather", x, async_op, run, label, in_place=False, same_shape=False, sizes=sizes)
+        result = self._collective("all_gather", x, async_op, run, label, in_place=False, same_shape=False, sizes=sizes,
+                                  algorithm=algorithm, out=out)
         return result if out is None or not on_gpu(out) or async_op else _copy_into(out, result)
 
     def all_to_all(self, x: Any, async_op: bool = False, label: str | None = None, algorithm: str | None = None) -> Any:
@@ -434,7 +436,8 @@ class Communicator:
                 algo.bruck_all_to_all(self, buf, out, tag)
             return out
 
-        return self._collective("all_to_all", x, async_op, run, label, in_place=False, same_shape=False)
+        return self._collective("all_to_all", x, async_op, run, label, in_place=False, same_shape=False,
+                                algorithm=algorithm)
 
     def all_to_all_v(self, x: Any, send_counts: list[int], recv_counts: list[int] | None = None,
                      async_op: bool = False, label: str | None = None) -> Any:
@@ -517,8 +520,10 @@ class Communicator:
         else:
             key = (collective, nbytes)
             chosen = self._choices.get(key)
-            if chosen is None:
-                chosen = self._choices[key] = self.cost_model().best(collective, nbytes, self.size, self._node_count())
+            if chosen is None:  # on nodes of unequal size only a flat algorithm can run (4 + 2 ranks, say)
+                flat = self._node_count() > 1 and collective == "all_reduce" and self._hierarchy() is None
+                chosen = self._choices[key] = self.cost_model().best(collective, nbytes, self.size, self._node_count(),
+                                                                      exclude=("hierarchical",) if flat else ())
         if chosen == "hierarchical" and self._hierarchy() is None:
             raise ValueError(f"hierarchical all-reduce needs several nodes with the same number of ranks each; "
                              f"this {self.size}-rank communicator's ranks sit on nodes {self._node_ids()}")
@@ -590,6 +595,10 @@ class Communicator:
         it runs — so a collective issued on the main thread while a submitted function is still
         waiting to issue its own gets the later number on every rank, however the threads are timed.
         """
+        for buffer, what in ((x if in_place else None, "its buffer"), (details.pop("out", None), "out")):
+            if buffer is not None and not on_gpu(buffer) and not buffer.flags.writeable:  # before any message
+                raise ValueError(f"{name}: {what} is read-only, and the collective writes its result there "
+                                 "(pass a writable copy)")
         call = (name, label or name, x, run, in_place, same_shape, details, _call_site() if self.debug else None)
         if async_op:
             return self._worker_thread().submit(lambda: self._execute(*call))

@@ -106,9 +106,11 @@ class CostModel:
         depth = math.ceil(math.log2(max(p, 2)))
         return min(SEGMENT_CHOICES, key=lambda s: self._segmented(n, depth, s, a, b))
 
-    def best(self, collective: str, n: float, p: int, nodes: int = 1) -> str:
-        """The algorithm with the lowest predicted time (ties: the first listed in ALGORITHMS)."""
-        return min(ALGORITHMS[collective], key=lambda alg: self.time(collective, alg, n, p, nodes))
+    def best(self, collective: str, n: float, p: int, nodes: int = 1, exclude: tuple[str, ...] = ()) -> str:
+        """The algorithm with the lowest predicted time (ties: the first listed in ALGORITHMS), of those that can run
+        (``exclude``: those that cannot, e.g. the hierarchical all-reduce on nodes of unequal size)."""
+        return min((alg for alg in ALGORITHMS[collective] if alg not in exclude),
+                   key=lambda alg: self.time(collective, alg, n, p, nodes))
 
 
 def cache_path(world: int, nodes: int = 1) -> str:
