@@ -157,7 +157,7 @@ def plan_profile(args: argparse.Namespace) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from minipar.train import HelpWithDefaults, add_arguments
+    from minipar.cli import HelpWithDefaults, add_arguments
 
     parser = argparse.ArgumentParser(prog="python -m minipar", description=__doc__.split("(or")[0].strip(" `"))
     commands = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,plan,trace-plot,plot,export}")

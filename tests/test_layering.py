@@ -16,6 +16,7 @@ LAYERS = [
     ["minipar.models"],
     ["minipar.parallel"],
     ["minipar.checkpoint", "minipar.plot"],
+    ["minipar.cli"],
     ["minipar.train", "minipar.testing", "minipar.__main__"],
 ]
 ALLOWED_CYCLES = {frozenset({"minipar.autograd", "minipar.ops"})}

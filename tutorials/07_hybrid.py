@@ -20,7 +20,8 @@ from minipar.data import Batches, load_tokens, split_tokens
 from minipar.models.gpt import GPT, GPTConfig
 from minipar.optim import AdamW, cosine_lr
 from minipar.parallel.mesh import Mesh
-from minipar.train import add_arguments, train
+from minipar.cli import add_arguments
+from minipar.train import train
 
 world = Communicator()
 say = print if world.rank == 0 else (lambda *a, **k: None)

@@ -1,0 +1,452 @@
+"""The command line of ``python -m minipar train``: its flags (argument groups, defaults in ``--help``), every
+check made before any work (one line per refusal, the same verdict on every rank), ``--auto``'s planning, and
+what rank 0 prints — a progress line or JSON object per step, evaluations, the closing summary.
+
+``train.py`` assembles and runs the job; this module decides what the job is and reports on it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+
+from minipar.backend import KERNEL_MODES, memory_available
+from minipar.checkpoint import Checkpoint
+from minipar.comm import Communicator
+from minipar.models.gpt import RECOMPUTE, GPTConfig, hf_config
+from minipar.parallel import planner
+from minipar.parallel.compression import COMPRESSIONS, make_compressor
+from minipar.parallel.context_parallel import KINDS as CP_KINDS
+from minipar.parallel.context_parallel import SPLITS as CP_SPLITS
+from minipar.parallel.layout import Layout
+from minipar.parallel.schedules import SCHEDULES
+
+
+class HelpWithDefaults(argparse.HelpFormatter):
+    """``--help`` shows each option's default (except unset options and switches)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if action.option_strings and not unset and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    model = p.add_argument_group("model")
+    model.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
+    model.add_argument("--n-head", type=int, default=4, help="attention heads")
+    model.add_argument("--n-embd", type=int, default=128, help="model width C")
+    model.add_argument("--block-size", type=int, default=128, help="context length T")
+    model.add_argument("--init-from", metavar="DIR", help="start from a Hugging Face GPT-2 checkpoint directory")
+    model.add_argument("--n-expert", type=int, default=0,
+                       help="mixture of experts: every MLP becomes this many experts behind a router (0: dense GPT-2)")
+    model.add_argument("--expert-top-k", type=int, default=2, help="experts per token (1: Switch gate, >1: renormalized)")
+    model.add_argument("--capacity-factor", type=float, default=1.25,
+                       help="each expert takes at most ⌈factor·k·tokens/E⌉ tokens per rank and microbatch; the rest drop")
+    model.add_argument("--aux-loss-coef", type=float, default=0.01, help="weight of the load-balancing loss")
+
+    run = p.add_argument_group("optimization")
+    run.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    run.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
+    run.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation steps per optimizer step")
+    run.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    run.add_argument("--min-lr", type=float, help="learning rate at the end of the cosine decay (default: --lr/10)")
+    run.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
+    run.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (matrices only)")
+    run.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    run.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="parameters and activations")
+    run.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
+                     help="bf16-mixed / fp16-mixed: 16-bit parameters, activations, gradients and messages, float32 "
+                          "master weights and Adam moments (fp16 with dynamic loss scaling); fp32: --dtype throughout")
+    run.add_argument("--loss-scale", type=float, default=2.0**16, help="fp16-mixed: the initial dynamic loss scale")
+    run.add_argument("--reduce-dtype", choices=["auto", "float32"], default="auto",
+                     help="data-parallel gradient reduction: auto = in the parameters' dtype (bfloat16 under "
+                          "bf16-mixed), but float32 under fp16-mixed (loss-scaled gradients would overflow when "
+                          "summed); float32 = upcast first (twice the bytes, no 16-bit rounding in the sum)")
+    run.add_argument("--recompute", choices=list(RECOMPUTE), default=None,
+                     help="activation recomputation: selective = attention probabilities, full = whole blocks "
+                          "(default: none; with --auto, the planner's choice)")
+    run.add_argument("--seed", type=int, default=0, help="initialization and data order")
+
+    io = p.add_argument_group("data and output")
+    io.add_argument("--data", metavar="PATH", help="any text file (default: this Python's standard-library source)")
+    io.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="numpy or cupy arrays")
+    io.add_argument("--kernels", choices=list(KERNEL_MODES), default="auto",
+                    help="Triton kernels for matmul/attention: auto = on the GPU only")
+    io.add_argument("--eval-interval", type=int, default=100, help="validation loss every N steps (0: never)")
+    io.add_argument("--eval-batches", type=int, default=4, help="batches per validation loss")
+    io.add_argument("--out", metavar="DIR", help="save the final model here (Hugging Face format)")
+    io.add_argument("--save", metavar="DIR", help="write sharded training checkpoints (parameters + AdamW) here")
+    io.add_argument("--save-interval", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    io.add_argument("--keep-last", type=int, default=0, metavar="N",
+                    help="keep only the newest N checkpoints under --save (0: keep all)")
+    io.add_argument("--resume", metavar="DIR", help="continue from a --save checkpoint (any parallel layout)")
+    io.add_argument("--json", action="store_true", help="one JSON object per step instead of a text line")
+    io.add_argument("--log-interval", type=int, default=1, metavar="N", help="print progress every N steps")
+    io.add_argument("--log-file", metavar="RUN.jsonl", help="also write every step's JSON record to this file")
+    io.add_argument("--comm-timeout", type=float, default=600.0, metavar="SECONDS",
+                    help="abort the job when a rank waits longer than this for another in any collective or message "
+                         "(a stopped, deadlocked or diverged rank), naming both; 0: wait forever (default: 600, as "
+                         "NCCL's watchdog)")
+    io.add_argument("--peak-memory", action="store_true",
+                    help="trace host allocations (tracemalloc; slower) and report each step's peak bytes per rank")
+
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--dp", type=int, help="data-parallel degree (default: world size / (tp·pp))")
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    par.add_argument("--pp", type=int, default=1, help="pipeline-parallel degree")
+    par.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel degree: the experts split over this many data-parallel ranks (divides --dp)")
+    par.add_argument("--cp", type=int, default=1, help="context-parallel degree: each sequence split over this many ranks")
+    par.add_argument("--cp-kind", choices=list(CP_KINDS), default="ring",
+                     help="context parallelism: ring attention (K/V blocks around the ring) or DeepSpeed-Ulysses")
+    par.add_argument("--cp-split", choices=list(CP_SPLITS),
+                     help="how a sequence is cut over the cp ranks (default: zigzag for ring, contiguous for ulysses)")
+    par.add_argument("--sp", action="store_true",
+                     help="sequence parallelism (Megatron-SP): layer norms and residuals on T/tp shards (with --tp)")
+    par.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
+                     help="pipeline schedule (with --pp); interleaved needs --virtual-stages, zb-h1 splits backward, "
+                          "dualpipev folds the stages into a V (2 per rank, >= 2·pp microbatches)")
+    par.add_argument("--virtual-stages", type=int, default=1, metavar="V",
+                     help="model chunks per pipeline rank (--schedule interleaved): rank r holds chunks r, r+pp, …")
+    par.add_argument("--zero", type=int, choices=[0, 1, 2, 3], default=0, help="ZeRO stage (with --dp)")
+    par.add_argument("--shard-group", type=int, metavar="K",
+                     help="hybrid sharding (with --zero): shard within groups of K data-parallel ranks, replicate "
+                          "across groups (default: shard over all of them)")
+    par.add_argument("--no-prefetch", action="store_true",
+                     help="ZeRO-3: gather each block's parameters only when it runs, not one block ahead")
+    par.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for DP / ZeRO-1/2")
+    par.add_argument("--compression", choices=list(COMPRESSIONS), default="none",
+                     help="compress data-parallel gradients (with --dp, --zero 0)")
+    par.add_argument("--topk-ratio", type=float, default=0.01, help="share of entries top-k compression sends")
+    par.add_argument("--powersgd-rank", type=int, default=4, help="rank of PowerSGD's low-rank factors")
+    par.add_argument("--local-sgd", type=int, default=0, metavar="H",
+                     help="local SGD / DiLoCo: average the replicas every H steps instead of the gradients every step")
+    par.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo outer learning rate (1 + momentum 0: averaging)")
+    par.add_argument("--outer-momentum", type=float, default=0.9, help="DiLoCo outer Nesterov momentum")
+    par.add_argument("--staleness", type=int, default=0, help="local SGD: apply each round's average τ rounds later")
+    par.add_argument("--trace", metavar="OUT.json", help="write a Chrome/Perfetto timeline")
+    par.add_argument("--auto", action="store_true",
+                     help="let the planner choose the layout (dp/tp/pp/cp/sp/ep, schedule, zero, shard group, microbatches, "
+                          "and the recomputation unless --recompute is given) for this many ranks; a layout flag "
+                          "given with it is refused (the plan would override it)")
+    par.add_argument("--profile", help="hardware profile for --auto (default: this machine's, calibrated if missing)")
+
+
+AUTO_CHOOSES = {"dp", "tp", "pp", "zero", "microbatches", "schedule", "cp", "cp_kind", "sp", "ep", "virtual_stages",
+                "cp_split", "shard_group"}  # what --auto decides (and --recompute, unless given)
+
+
+def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
+    """--auto: rank 0 plans (calibrating this machine if it has no profile yet, and saving that calibration
+    for the next run and for ``plan``); every rank takes its choice. A layout flag written beside it is refused:
+    the plan would silently replace it."""
+    given = sorted(AUTO_CHOOSES & getattr(args, "explicit", set()))
+    if given:
+        raise ValueError(f"--auto chooses the layout itself: drop --{given[0].replace('_', '-')}")
+    try:
+        profile = planner.load_profile(args.profile, world.size)
+    except FileNotFoundError:
+        if args.profile:
+            raise
+        profile = planner.calibrate(world)  # every rank measures; rank 0's numbers decide
+        if world.rank == 0:
+            path = planner.save_calibration(profile, world.size)
+            if not args.json:
+                print(f"auto: calibrated this machine for {world.size} rank(s) -> {path}", flush=True)
+    if world.rank == 0:
+        cfg = model_config(args)
+        modes = (args.recompute,) if args.recompute else RECOMPUTE  # the user's --recompute, else any
+        ranked = planner.plan(cfg, world.size, args.batch_size, profile, planner.ITEMSIZE[model_dtype(args)], modes)
+        best = ranked[0]
+        if not best.feasible:
+            raise ValueError(f"no layout of {world.size} ranks fits in {profile.memory / 1e9:.1f} GB per device")
+        choice = {**dataclasses.asdict(best.layout), "step_ms": best.step_time * 1e3, "memory_gb": best.memory / 1e9,
+                  "candidates": len(ranked)}
+    else:
+        choice = None
+    choice = json.loads(world.all_gather_bytes(json.dumps(choice).encode(), label="plan")[0])
+    layout = Layout(**{f.name: choice[f.name] for f in dataclasses.fields(Layout)})
+    for name in sorted(AUTO_CHOOSES - {"shard_group"}) + ["recompute"]:  # the layout's choices become the arguments
+        setattr(args, name, getattr(layout, name))
+    args.shard_group = layout.shard_group or None
+    if world.rank == 0 and not args.json:
+        print(f"auto: {layout} of {choice['candidates']} layouts, predicted {choice['step_ms']:.1f} ms/step, "
+              f"{choice['memory_gb']:.3f} GB per rank ({profile.name})", flush=True)
+
+
+PRECISIONS = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}  # -> the model's storage dtype
+
+
+def model_dtype(args: argparse.Namespace) -> str:
+    """What parameters and activations are stored in: --dtype, or the 16-bit type of a mixed --precision."""
+    return PRECISIONS[args.precision] or args.dtype
+
+
+def model_config(args: argparse.Namespace, resumed: Checkpoint | None = None) -> GPTConfig:
+    if resumed is not None:
+        return dataclasses.replace(resumed.config, dtype=model_dtype(args))
+    if args.init_from:
+        return hf_config(args.init_from, dtype=model_dtype(args))
+    return GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                     n_embd=args.n_embd, dtype=model_dtype(args), n_expert=args.n_expert, expert_top_k=args.expert_top_k,
+                     capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef)
+
+
+MODEL_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_expert", "expert_top_k", "capacity_factor",
+               "aux_loss_coef")
+
+
+# flags that only mean something in some mode: written without it, they are refused (name: (the mode, whether on))
+FLAG_NEEDS: dict[str, tuple[str, Any]] = {
+    "loss_scale": ("--precision fp16-mixed", lambda a: a.precision == "fp16-mixed"),
+    "expert_top_k": ("--n-expert", lambda a: a.n_expert > 0 or bool(a.resume)),
+    "capacity_factor": ("--n-expert", lambda a: a.n_expert > 0 or bool(a.resume)),
+    "aux_loss_coef": ("--n-expert", lambda a: a.n_expert > 0 or bool(a.resume)),
+    "topk_ratio": ("--compression topk", lambda a: a.compression == "topk"),
+    "powersgd_rank": ("--compression powersgd", lambda a: a.compression == "powersgd"),
+    "outer_lr": ("--local-sgd", lambda a: a.local_sgd > 0),
+    "outer_momentum": ("--local-sgd", lambda a: a.local_sgd > 0),
+    "staleness": ("--local-sgd", lambda a: a.local_sgd > 0),
+    "cp_kind": ("--cp 2 or more", lambda a: a.cp > 1),
+    "cp_split": ("--cp 2 or more", lambda a: a.cp > 1),
+    "no_prefetch": ("--zero 3", lambda a: a.zero == 3),
+    "save_interval": ("--save", lambda a: bool(a.save)),
+}
+
+
+def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | None) -> tuple[GPTConfig, Layout]:
+    """Reject bad input before anything is built or communicated (every rank reaches the same verdict): the run's
+    own values here, the parallel layout's rules in :meth:`Layout.validate`. Fills in ``args.dp`` when it was left
+    out: the ranks that tp·pp·cp leave, as Megatron-LM does."""
+    for name in ("steps", "batch_size", "block_size", "bucket_mb", "eval_batches", "log_interval"):
+        if getattr(args, name) <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if args.min_lr is None:  # a tenth of the peak, whatever the peak (2e-4 for the default 2e-3)
+        args.min_lr = args.lr / 10
+    for name in ("lr", "min_lr", "warmup", "grad_clip", "weight_decay", "eval_interval", "save_interval", "keep_last",
+                 "comm_timeout"):
+        if getattr(args, name) < 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    explicit = getattr(args, "explicit", set())  # the flags written on the command line
+    if args.min_lr > args.lr:
+        raise ValueError(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}: the cosine schedule would raise the rate")
+    if args.loss_scale <= 0:
+        raise ValueError(f"--loss-scale must be positive, got {args.loss_scale:g}")
+    for name, (needs, has) in FLAG_NEEDS.items():
+        if name in explicit and not has(args):
+            raise ValueError(f"--{name.replace('_', '-')} has no effect here: it needs {needs}")
+    check_output_paths(args)
+    layout = Layout.from_args(args, world_size)
+    args.dp, args.cp_split = layout.dp, layout.cp_split
+    make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)  # validates the numbers
+    if args.local_sgd < 0 or args.staleness < 0:
+        raise ValueError("--local-sgd and --staleness must be >= 0")
+    if args.keep_last and not args.save:
+        raise ValueError("--keep-last prunes the checkpoints of --save: pass --save DIR too")
+    if resumed is not None:
+        if resumed.step >= args.steps:
+            raise ValueError(f"{resumed.path} is at step {resumed.step}; --steps {args.steps} leaves nothing to train")
+        for name in MODEL_FLAGS:
+            if name in getattr(args, "explicit", ()) and getattr(args, name) != getattr(resumed.config, name):
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} disagrees with the checkpoint "
+                                 f"{resumed.path} ({name}={getattr(resumed.config, name)}): drop the flag to resume, "
+                                 "or start a new run without --resume")
+    if args.n_expert < 0 or (args.n_expert and not 1 <= args.expert_top_k <= args.n_expert):
+        raise ValueError(f"--expert-top-k {args.expert_top_k} must be between 1 and --n-expert {args.n_expert}"
+                         if args.n_expert > 0 else f"--n-expert must be >= 0, got {args.n_expert}")
+    if args.precision != "fp32" and args.dtype != "float32":
+        raise ValueError(f"--precision {args.precision} stores the model in 16 bits with float32 masters: "
+                         f"drop --dtype {args.dtype} (it sets the pure modes)")
+    if args.init_from and args.n_expert and resumed is None:
+        raise ValueError("--init-from loads a dense Hugging Face GPT-2: it cannot be combined with --n-expert")
+    cfg = model_config(args, resumed)
+    if cfg.n_expert and args.out:
+        raise ValueError("--out writes Hugging Face GPT-2, which has no mixture-of-experts layout: use --save")
+    layout.validate(cfg, args.batch_size, world_size)
+    check_memory(cfg, args, layout)
+    return cfg, layout
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """Every path the run will write — the --out and --save folders, the --trace and --log-file files — is checked
+    before any work, so that a bad path fails in one line at the start instead of losing the run at its end: the
+    nearest folder that exists on the way to it must be a folder this process can create a file in (probed with a
+    temporary file; nothing is left behind). Every rank checks the same paths, so every rank reaches the same
+    verdict."""
+    for flag, path, is_file in (("--out", args.out, False), ("--save", args.save, False), ("--trace", args.trace, True),
+                                ("--log-file", args.log_file, True)):
+        if not path:
+            continue
+        if is_file and os.path.isdir(path):
+            raise ValueError(f"{flag} {path} is a directory: name a file")
+        folder = os.path.dirname(os.path.abspath(path)) if is_file else os.path.abspath(path)
+        while not os.path.exists(folder):
+            folder = os.path.dirname(folder)
+        try:
+            if not os.path.isdir(folder):
+                raise NotADirectoryError(20, "Not a directory")
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: cannot write there ({e.strerror})") from None
+
+
+def check_memory(cfg: GPTConfig, args: argparse.Namespace, layout: Layout) -> None:
+    """Refuse a run whose estimated peak (the planner's model states + activations per rank, for the ranks on
+    this machine) exceeds the memory available here, instead of letting the OOM killer end it mid-step."""
+    itemsize = planner.ITEMSIZE[model_dtype(args)]
+    states, activations = planner.memory_per_rank(cfg, args.batch_size, layout, itemsize)
+    per_rank = states + activations
+    # on the CPU the ranks on this machine share its memory; on GPUs each rank has its own device
+    ranks_here = int(os.environ.get("MPI_LOCALNRANKS", layout.world)) if args.device == "cpu" else 1
+    available = memory_available()
+    if per_rank * ranks_here > available:
+        raise ValueError(f"this run needs about {per_rank / 1e9:.1f} GB per rank ({per_rank * ranks_here / 1e9:.1f} GB "
+                         f"for {ranks_here} rank(s)) but {available / 1e9:.1f} GB is available on the {args.device}: "
+                         "reduce --block-size, --batch-size or the model, or raise --microbatches / --tp / --pp")
+
+
+def json_line(record: dict[str, Any]) -> str:
+    """``record`` as strict JSON: a non-finite number (a diverged loss) becomes null, never a bare NaN."""
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [clean(x) for x in v]
+        return v
+    return json.dumps(clean(record), allow_nan=False)
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+class Progress:
+    """What rank 0 reports: a text line (or a JSON object with ``--json``) every ``--log-interval`` steps and
+    at the last, every record in ``--log-file``, elapsed time and ETA, and a closing summary."""
+
+    def __init__(self, args: argparse.Namespace, lead: bool, first_step: int):
+        self.lead, self.as_json, self.interval, self.steps = lead, args.json, args.log_interval, args.steps
+        self.first_step, self.start, self.tokens, self.step_seconds = first_step, time.perf_counter(), 0, 0.0
+        self.best_val: float | None = None
+        self.written: list[str] = []
+        self.log = open(args.log_file, "a" if first_step else "w", encoding="utf-8") if lead and args.log_file else None
+        self.stdout_closed = False  # the reader went away (``minipar train | head``): the loop then stops quietly
+
+    def _print(self, text: str, stream: Any = None) -> None:
+        stream = stream or sys.stdout
+        if stream is sys.stdout and self.stdout_closed:
+            return
+        try:
+            print(text, file=stream, flush=True)
+        except BrokenPipeError:
+            self.stdout_closed = True
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python exits
+
+    def say(self, text: str) -> None:
+        """A line for people reading the console (not printed with --json)."""
+        if self.lead and not self.as_json:
+            self._print(text)
+
+    def note(self, text: str) -> None:
+        """A line nobody should miss: on stdout, or on stderr with --json (whose stdout stays pure JSON)."""
+        if self.lead:
+            self._print(text, sys.stderr if self.as_json else sys.stdout)
+
+    def step(self, record: dict[str, Any]) -> None:
+        self.tokens += record["tokens"]
+        self.step_seconds += record["ms"] / 1e3
+        elapsed = time.perf_counter() - self.start
+        record["elapsed_s"] = elapsed
+        record["eta_s"] = elapsed / (record["step"] - self.first_step) * (self.steps - record["step"])
+        self._write(record)
+        if self.lead and (record["step"] % self.interval == 0 or record["step"] == self.steps):
+            self._print(json_line(record) if self.as_json else format_step(record))
+
+    def evaluation(self, record: dict[str, Any]) -> None:
+        if math.isfinite(record["val_loss"]):
+            self.best_val = record["val_loss"] if self.best_val is None else min(self.best_val, record["val_loss"])
+        self._write(record)
+        if self.lead:
+            self._print(json_line(record) if self.as_json else
+                        f"eval step {record['step']:>5} | val loss {record['val_loss']:.4f}")
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.log:
+            self.log.write(json_line(record) + "\n")
+            self.log.flush()
+
+    def close(self, last_step: int, finished: bool) -> None:
+        """Close the log; when the run ``finished``, print the summary (wall time, tokens/s, files)."""
+        if self.log:
+            self.log.close()
+            self.written.append(f"step records: {self.log.name}")
+        if not self.lead or self.as_json or not finished:
+            return
+        wall = time.perf_counter() - self.start
+        trained = last_step - self.first_step
+        summary = (f"done: {trained} steps in {_duration(wall)}, "
+                   f"{self.tokens / max(self.step_seconds, 1e-9):,.0f} tokens/s on average")
+        summary += f", best val loss {self.best_val:.4f}" if self.best_val is not None else ""
+        self._print(summary)
+        for line in self.written:
+            self._print(f"  wrote {line}")
+
+
+def format_step(record: dict[str, Any]) -> str:
+    comm = ""
+    if record["world"] > 1:
+        tp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith(("tp_", "sp_")))
+        if record["comm_formula_bytes"]:
+            comm += f" | dp {record['comm_bytes'] / 1e6:.2f} MB (formula {record['comm_formula_bytes'] / 1e6:.2f})"
+            if record["comm_bytes"] and record["comm_bytes"] < 0.99 * record["comm_formula_bytes"]:
+                comm += f", {record['comm_formula_bytes'] / record['comm_bytes']:.1f}× compressed"
+        if tp_bytes:
+            comm += f" | tp {tp_bytes / 1e6:.2f} MB"
+        for axis in ("cp", "ep"):
+            axis_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith(axis + "_"))
+            if axis_bytes:
+                comm += f" | {axis} {axis_bytes / 1e6:.2f} MB"
+        pp_bytes = sum(v for k, v in record["comm_bytes_by_op"].items() if k.startswith("pp_"))
+        if pp_bytes:
+            comm += f" | pp {pp_bytes / 1e6:.2f} MB, bubble {record['pipeline']['bubble']:.0%}"
+        comm += f" | state {sum(record['model_state_bytes'].values()) / 1e6:.2f} MB"
+    if record.get("skipped"):
+        comm = f" | skipped: fp16 gradients overflowed, loss scale now {record['loss_scale'] / 2:g}" + comm
+    elif "loss_scale" in record:
+        comm = f" | loss scale {record['loss_scale']:g}" + comm
+    if "experts" in record:
+        moe = record["experts"]
+        comm = (f" | dropped {moe['dropped_fraction']:.1%}, expert load {moe['expert_load_min']}–"
+                f"{moe['expert_load_max']}") + comm
+    return (f"step {record['step']:>5}/{record['steps']} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"norm {record['grad_norm']:.3f} | {record['tokens_per_s']:>8,.0f} tok/s | {record['ms']:7.1f} ms | "
+            f"{_duration(record['elapsed_s'])} elapsed, eta {_duration(record['eta_s'])}{comm}")
+
+
+def check_ranks_agree(world: Communicator, what: str, values: dict[str, Any]) -> None:
+    """Raise the same one-line ValueError on every rank if the ranks were started with different ``values`` (their
+    flags; the digest of their data) — a job whose ranks disagree would hang or train something else."""
+    if world.size == 1:
+        return
+    mine = json.dumps(values, sort_keys=True, default=str).encode()
+    every = [json.loads(b) for b in world.all_gather_bytes(mine, label="startup")]
+    for key in sorted(values):
+        seen = [json.dumps(v.get(key)) for v in every]
+        if len(set(seen)) > 1:
+            flag = f"--{key.replace('_', '-')} " if what == "arguments" else ""
+            per_rank = ", ".join(f"{json.loads(v) if v != 'null' else 'not given'} on rank {r}"
+                                 for r, v in enumerate(seen[:8]))
+            raise ValueError(f"ranks' {what} differ: {flag}{per_rank}{', ...' if len(seen) > 8 else ''}")
