@@ -16,6 +16,7 @@ Deep dive, with measurements: docs/running.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import math
 import signal
@@ -188,9 +189,11 @@ def group_sum(*comms: Communicator):
     return total
 
 
-def full_state_dict(engine: Any, model: GPT, mesh: Mesh) -> dict[str, np.ndarray]:
-    """Every parameter whole, on every rank: gathered over the ZeRO shards, the tp slices, the pp stages."""
-    local = engine.gathered_state_dict()
+def full_state_dict(engine: Any, optimizer: Any, model: GPT, mesh: Mesh) -> dict[str, np.ndarray]:
+    """Every parameter whole, on every rank: gathered over the ZeRO shards, the tp slices, the pp stages — a 16-bit
+    model's as its float32 masters (the weights the run trained, as PyTorch's mixed precision saves them)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    local = {**engine.gathered_state_dict(), **optimizer.master_state(names)}
     if mesh.tp > 1:
         local = gather_tensor_parallel_state(local, model.config, mesh.tp_comm)
     return stage_state(local, mesh.pp_comm) if mesh.pp > 1 else local
@@ -408,9 +411,9 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             progress.written.append(f"timeline: {args.trace} (ui.perfetto.dev, or python -m minipar trace-plot "
                                     f"{args.trace})")
         if args.out:
-            state = full_state_dict(engine, model, mesh)
-            if lead:
-                GPT(cfg).save_hf(args.out, state)
+            state = full_state_dict(engine, optimizer, model, mesh)
+            if lead:  # the config says the dtype the weights are in (float32 masters under mixed precision)
+                GPT(dataclasses.replace(cfg, dtype=str(next(iter(state.values())).dtype))).save_hf(args.out, state)
             progress.written.append(f"model: {args.out}/ (Hugging Face GPT-2; python -m minipar generate --ckpt "
                                     f"{args.out})")
         finished = True

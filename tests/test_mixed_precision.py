@@ -201,3 +201,20 @@ def test_ring_attention_sends_16_bit_blocks():
                               for precision in ("fp32", "bf16-mixed"))
     for direction in ("cp_forward", "cp_backward"):
         assert bf16_bytes[direction] * 2 == fp32_bytes[direction] > 0
+
+
+@pytest.mark.parametrize("precision,ranks,layout", [("bf16-mixed", 1, []), ("fp16-mixed", 2, ["--dp", "2", "--zero", "3"]),
+                                                    ("bf16-mixed", 2, ["--tp", "2"])])
+def test_out_writes_the_float32_masters(tmp_path, precision, ranks, layout):
+    """--out under mixed precision (it crashed writing bfloat16) writes the weights the run trained: the float32
+    masters, bit for bit those of its own checkpoint, with a config that says float32; they load and generate."""
+    from minipar.models.gpt import GPT
+    from minipar.safetensors_io import read_safetensors
+
+    out, save = str(tmp_path / "hf"), str(tmp_path / "ckpt")
+    train_cli([*TINY, "--steps", "3", "--precision", precision, "--save", save, *layout], ranks, out=out)
+    weights = read_safetensors(f"{out}/model.safetensors")[0]
+    masters = load_checkpoint(save).params
+    assert weights.keys() == masters.keys() and all(w.dtype == np.float32 for w in weights.values())
+    assert all((weights[name] == masters[name]).all() for name in weights)
+    assert GPT.from_hf(out).config.dtype == "float32"
