@@ -44,6 +44,19 @@ def test_bpe_matches_tokenizers_reference(trained_bpe):
         assert ours.decode(ids) == text
 
 
+def test_bpe_on_long_words_matches_tokenizers(trained_bpe):
+    """Pre-tokens of thousands of symbols (letters, digits, punctuation without a space) — where the heap of the
+    O(n log n) merge loop holds many equal-ranked pairs and many stale entries — encode as `tokenizers` does."""
+    directory, reference = trained_bpe
+    ours = BPETokenizer.from_dir(directory)
+    text = default_corpus()[:400_000].decode("utf-8", errors="replace")
+    for keep in (str.isalpha, str.isdigit, lambda ch: not ch.isspace() and not ch.isalnum()):
+        word = "".join(ch for ch in text if keep(ch))[:8000]
+        assert len(word) >= 2000
+        assert ours.encode(word).tolist() == reference.encode(word).ids
+    assert ours.encode("a" * 5001).tolist() == reference.encode("a" * 5001).ids  # one pair, ranked equal throughout
+
+
 def test_bpe_keeps_every_underscore(trained_bpe):
     ours = BPETokenizer.from_dir(trained_bpe[0])
     code = default_corpus()[:125_000].decode("utf-8", errors="replace")
