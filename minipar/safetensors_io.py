@@ -153,6 +153,26 @@ def read_hf_weights(directory: str) -> dict[str, np.ndarray]:
     return tensors
 
 
+def stored_dtypes(directory: str) -> set[str]:
+    """The safetensors dtype codes ("F32", "F64", "BF16", ...) of the weights in ``directory``, read from the headers
+    alone (8 bytes of length, then the JSON): what a config without a dtype key was saved in. Empty if unreadable."""
+    single, index = os.path.join(directory, WEIGHTS_NAME), os.path.join(directory, INDEX_NAME)
+    try:
+        if os.path.isfile(single):
+            files = [single]
+        else:
+            with open(index, encoding="utf-8") as f:
+                files = [os.path.join(directory, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
+        codes = set()
+        for path in files:
+            with open(path, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            codes |= {info["dtype"] for name, info in header.items() if name != "__metadata__"}
+        return codes
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return set()
+
+
 def write_hf_weights(directory: str, tensors: dict[str, np.ndarray],
                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
     """Write ``model.safetensors``, or — when the tensors exceed ``max_shard_bytes`` — shards

@@ -127,7 +127,7 @@ def test_hub_style_config_loads(tmp_path):
                  summary_use_proj=True, summary_activation=None, summary_proj_to_labels=True,
                  summary_first_dropout=0.1, task_specific_params={"text-generation": {"max_length": 50}},
                  minipar=..., dtype=..., torch_dtype=...)
-    assert hf_config(str(tmp_path)).dtype == "float32"
+    assert hf_config(str(tmp_path)).dtype == "float64"  # no dtype key: the weights' own (F64) headers decide
 
 
 def test_untied_head_is_refused_or_checked(tmp_path):
@@ -149,6 +149,25 @@ def test_float64_dtype_from_either_key(tmp_path, key):
     _edit_config(str(tmp_path), **{"minipar": ..., "dtype": ..., "torch_dtype": ..., key: "float64"})
     loaded = GPT.from_hf(str(tmp_path))
     assert loaded.config.dtype == "float64" and loaded.transformer.wte.weight.data.dtype == np.float64
+
+
+@pytest.mark.parametrize("shard_bytes", [None, 2000])
+def test_dtype_from_the_weights_when_the_config_has_none(tmp_path, shard_bytes):
+    """A float64 checkpoint whose config.json carries no dtype key loads as float64 (its safetensors headers say
+    F64; it loaded as float32), in one file or sharded; float32 weights without the key stay float32."""
+    for dtype in ("float64", "float32"):
+        GPT(GPTConfig(**{**TINY, "dtype": dtype})).save_hf(str(tmp_path), **({"max_shard_bytes": shard_bytes}
+                                                                            if shard_bytes else {}))
+        _edit_config(str(tmp_path), minipar=..., dtype=..., torch_dtype=...)
+        assert GPT.from_hf(str(tmp_path)).transformer.wte.weight.data.dtype == np.dtype(dtype)
+
+
+def test_gradient_checkpointing_in_a_config_is_accepted(tmp_path):
+    """Fine-tuned GPT-2 configs often carry gradient_checkpointing, a training-time setting (minipar's is
+    --recompute): it does not change what the weights compute, so the checkpoint loads."""
+    GPT(GPTConfig(**TINY)).save_hf(str(tmp_path))
+    _edit_config(str(tmp_path), gradient_checkpointing=True)
+    assert GPT.from_hf(str(tmp_path)).config == hf_config(str(tmp_path))
 
 
 def test_sharded_save_and_load(tmp_path):

@@ -27,7 +27,8 @@ import numpy as np
 from minipar import ops
 from minipar.autograd import Tensor, no_grad
 from minipar.backend import resolve_dtype, to_device, to_host, xp
-from minipar.safetensors_io import DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, write_hf_weights
+from minipar.safetensors_io import (DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, stored_dtypes,
+                                    write_hf_weights)
 from minipar.models.moe import MoEMLP
 from minipar.nn import Embedding, LayerNorm, Linear, Module, ModuleList
 
@@ -307,11 +308,12 @@ _HF_REQUIRED_VALUE = {  # field: (accepted values, what minipar implements inste
 # the loaded model is the deterministic (evaluation-mode) function, and minipar trains without dropout.
 # summary_* configure GPT2DoubleHeadsModel's classification head, which GPT2LMHeadModel does not have;
 # n_ctx is a legacy alias that transformers ignores (n_positions sizes the position table); the rest are
-# initialization, generation and bookkeeping settings.
+# initialization, generation and bookkeeping settings; gradient_checkpointing is a training-time memory setting
+# (minipar's is the --recompute flag).
 _HF_NO_EFFECT = {"reorder_and_upcast_attn", "resid_pdrop", "embd_pdrop", "attn_pdrop", "summary_type",
                  "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout", "n_ctx",
                  "initializer_range", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "architectures",
-                 "transformers_version", "task_specific_params", "minipar"}
+                 "transformers_version", "task_specific_params", "minipar", "gradient_checkpointing"}
 # transformers' generic PretrainedConfig keys (outputs, labels, generation defaults, bookkeeping) that
 # older or fine-tuned GPT-2 checkpoints carry; none changes what GPT2LMHeadModel computes from a prompt.
 _HF_GENERIC = {"_name_or_path", "_num_labels", "num_labels", "id2label", "label2id", "problem_type", "finetuning_task",
@@ -344,8 +346,9 @@ def _hf_ties_embeddings(directory: str) -> bool:
 def hf_config(directory: str, dtype: str | None = None) -> GPTConfig:
     """The GPTConfig of a Hugging Face GPT-2 checkpoint directory: every field implemented or refused.
 
-    The stored dtype is ``dtype`` (transformers 5) or ``torch_dtype`` (earlier): float64 stays float64,
-    anything else loads as float32 (float16/bfloat16 weights are widened).
+    The stored dtype is ``dtype`` (transformers 5) or ``torch_dtype`` (earlier) — without either, the weights'
+    own safetensors headers: float64 stays float64, anything else loads as float32 (float16/bfloat16 weights
+    are widened).
     """
     path, hf = _read_hf_config(directory)
     for field, (accepted, why) in _HF_REQUIRED_VALUE.items():
@@ -363,6 +366,8 @@ def hf_config(directory: str, dtype: str | None = None) -> GPTConfig:
     if missing:
         raise ValueError(f"{path}: missing required field {missing[0]!r}")
     stored = hf.get("minipar", {}).get("dtype") or hf.get("dtype") or hf.get("torch_dtype")
+    if stored is None and stored_dtypes(directory) == {"F64"}:  # no dtype key: the weights' own headers say
+        stored = "float64"
     return GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
                      n_head=hf["n_head"], n_embd=hf["n_embd"], layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
                      dtype=dtype or ("float64" if stored == "float64" else "float32"),
