@@ -73,3 +73,28 @@ def test_kernels_install_inside_minipar():
 
     assert importlib.util.find_spec("minipar.kernels") is not None
     assert os.path.dirname(importlib.util.find_spec("minipar.kernels").origin) == KERNELS
+
+
+def test_the_kernels_folder_never_shadows_an_installed_kernels_package(tmp_path):
+    """Python started in the repository root finds ./kernels first for ``import kernels`` (transformers imports the
+    PyPI package of that name). The folder steps aside: an installed `kernels` is what the import returns, and
+    with none installed the import yields an empty namespace-like module, not minipar's kernels; minipar.kernels
+    imports as always."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(KERNELS)
+    site = tmp_path / "site" / "kernels"
+    site.mkdir(parents=True)
+    (site / "__init__.py").write_text("FROM = 'the installed package'\n")
+    probe = "import kernels, minipar.kernels.adapter; print(getattr(kernels, 'FROM', None), kernels.__file__)"
+    run = lambda env: subprocess.run([sys.executable, "-c", probe], cwd=repo, capture_output=True, text=True,  # noqa: E731
+                                     timeout=60, env={**os.environ, **env})
+    installed = run({"PYTHONPATH": str(tmp_path / "site")})
+    assert installed.returncode == 0 and installed.stdout.split(" ", 3)[:3] == ["the", "installed", "package"], \
+        installed.stderr
+    outside = subprocess.run([sys.executable, "-c", "import importlib.util as u; s = u.find_spec('kernels'); "
+                              "print(s.origin if s else None)"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=60, env={**os.environ, "PYTHONPATH": ""})
+    alone = run({"PYTHONPATH": ""})  # the same as from anywhere else: the installed one (transformers') or none
+    assert alone.returncode == 0 and alone.stdout.split()[-1] == outside.stdout.strip(), alone.stdout + alone.stderr
