@@ -82,7 +82,8 @@ def export(args: argparse.Namespace) -> None:
 
     loaded = load_checkpoint(args.ckpt)
     GPT(loaded.config).save_hf(args.out, loaded.params)
-    print(f"exported step {loaded.step} ({loaded.layout}) to {args.out}/ (config.json + model.safetensors)")
+    print(f"exported step {loaded.step} ({loaded.layout}) to {args.out}/ (config.json, model.safetensors and the "
+          "tokenizer files)")
 
 
 def plan_command(args: argparse.Namespace) -> None:

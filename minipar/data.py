@@ -122,6 +122,36 @@ class BPETokenizer:
         return bytes(self.char_bytes[c] for c in text).decode("utf-8", errors="replace")
 
 
+END_OF_TEXT = "<|endoftext|>"
+
+
+def save_tokenizer(directory: str, vocab_size: int, block_size: int, source: str | None = None) -> int | None:
+    """Write a model's tokenizer beside its weights as transformers' GPT-2 tokenizer files (vocab.json, merges.txt,
+    tokenizer_config.json), so that ``AutoTokenizer`` loads it and encodes as minipar does; returns the id of
+    ``<|endoftext|>`` (the config's bos/eos), or None when the vocabulary has none.
+
+    ``source``'s BPE files when the model came with them; else, for a 256-token model, the byte tokenizer written
+    exactly as a GPT-2 byte-level BPE — the 256 byte symbols at their byte values, no merges; else nothing."""
+    if source and os.path.isfile(os.path.join(source, "vocab.json")) and os.path.isfile(os.path.join(source, "merges.txt")):
+        tokenizer = BPETokenizer.from_dir(source)
+        vocab, merges = tokenizer.encoder, [f"{a} {b}" for (a, b), _ in sorted(tokenizer.ranks.items(), key=lambda kv: kv[1])]
+    elif vocab_size == 256:
+        chars = _byte_to_unicode()
+        vocab, merges = {chars[b]: b for b in range(256)}, []
+    else:
+        return None
+    special = END_OF_TEXT if END_OF_TEXT in vocab else None
+    files = {"vocab.json": json.dumps(vocab, ensure_ascii=False),
+             "merges.txt": "\n".join(["#version: 0.2", *merges]) + "\n",
+             "tokenizer_config.json": json.dumps({"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False,
+                                                  "bos_token": special, "eos_token": special, "unk_token": special,
+                                                  "model_max_length": block_size}, indent=2)}
+    for name, text in files.items():
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+            f.write(text)
+    return vocab[special] if special else None
+
+
 def tokenizer_for(directory: str | None, vocab_size: int):
     """The checkpoint's own BPE tokenizer when it ships one, else bytes (which need vocab_size >= 256)."""
     if directory and os.path.isfile(os.path.join(directory, "vocab.json")) and os.path.isfile(os.path.join(directory, "merges.txt")):

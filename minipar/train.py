@@ -413,7 +413,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.out:
             state = full_state_dict(engine, optimizer, model, mesh)
             if lead:  # the config says the dtype the weights are in (float32 masters under mixed precision)
-                GPT(dataclasses.replace(cfg, dtype=str(next(iter(state.values())).dtype))).save_hf(args.out, state)
+                GPT(dataclasses.replace(cfg, dtype=str(next(iter(state.values())).dtype))).save_hf(
+                    args.out, state, tokenizer=args.init_from)
             progress.written.append(f"model: {args.out}/ (Hugging Face GPT-2; python -m minipar generate --ckpt "
                                     f"{args.out})")
         finished = True

@@ -170,6 +170,25 @@ def test_gradient_checkpointing_in_a_config_is_accepted(tmp_path):
     assert GPT.from_hf(str(tmp_path)).config == hf_config(str(tmp_path))
 
 
+def test_the_tokenizer_travels_with_the_model(tmp_path, trained_bpe):
+    """save_hf writes the tokenizer: a 256-token model's byte tokenizer as a byte-level BPE with no merges (which
+    encodes exactly as the bytes), a model given BPE files those files (bos/eos = its <|endoftext|>, or null), and
+    no files for a vocabulary that is neither; BPETokenizer reads back what was written."""
+    from minipar.data import ByteTokenizer
+
+    text = "def naïve(x):\n    return x  # café ✓"
+    GPT(GPTConfig(**{**TINY, "vocab_size": 256})).save_hf(str(tmp_path / "bytes"))
+    assert BPETokenizer.from_dir(str(tmp_path / "bytes")).encode(text).tolist() == ByteTokenizer().encode(text).tolist()
+    assert json.load(open(tmp_path / "bytes" / "config.json"))["eos_token_id"] is None
+    directory, reference = trained_bpe
+    vocab = json.load(open(os.path.join(directory, "vocab.json")))
+    GPT(GPTConfig(**{**TINY, "vocab_size": len(vocab)})).save_hf(str(tmp_path / "bpe"), tokenizer=directory)
+    assert BPETokenizer.from_dir(str(tmp_path / "bpe")).encode(text).tolist() == reference.encode(text).ids
+    assert json.load(open(tmp_path / "bpe" / "config.json"))["eos_token_id"] == vocab.get("<|endoftext|>")
+    GPT(GPTConfig(**TINY)).save_hf(str(tmp_path / "none"))
+    assert not os.path.exists(tmp_path / "none" / "vocab.json")
+
+
 def test_sharded_save_and_load(tmp_path):
     model = GPT(GPTConfig(**TINY), seed=2)
     model.save_hf(str(tmp_path), max_shard_bytes=2000)

@@ -103,3 +103,7 @@ def test_a_checkpoint_train_out_wrote(tmp_path):
     theirs = transformers.GPT2LMHeadModel.from_pretrained(out, dtype=torch.float64).eval()
     idx = np.random.default_rng(6).integers(0, 256, (2, 16))
     np.testing.assert_allclose(ours(idx)[0].data, theirs(torch.tensor(idx)).logits.detach().numpy(), rtol=0, atol=1e-12)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(out)  # the byte tokenizer as a GPT-2 byte-level BPE
+    text = "def naïve(x):\n    return x  # café ✓ <|endoftext|>"
+    assert tokenizer.encode(text) == list(text.encode("utf-8")) and tokenizer.decode(tokenizer.encode(text)) == text
+    assert theirs.config.bos_token_id is None and theirs.config.eos_token_id is None  # the byte vocabulary has none

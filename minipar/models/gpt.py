@@ -29,6 +29,7 @@ from minipar.autograd import Tensor, no_grad
 from minipar.backend import resolve_dtype, to_device, to_host, xp
 from minipar.safetensors_io import (DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, stored_dtypes,
                                     write_hf_weights)
+from minipar.data import save_tokenizer
 from minipar.models.moe import MoEMLP
 from minipar.nn import Embedding, LayerNorm, Linear, Module, ModuleList
 
@@ -265,9 +266,11 @@ class GPT(Module):
         return model
 
     def save_hf(self, directory: str, state: dict[str, np.ndarray] | None = None,
-                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: str | None = None) -> None:
         """Write ``config.json`` + ``model.safetensors`` (sharded above ``max_shard_bytes``, with the index)
-        that ``GPT2LMHeadModel.from_pretrained`` loads.
+        that ``GPT2LMHeadModel.from_pretrained`` loads, and the tokenizer files ``AutoTokenizer`` loads
+        (data.save_tokenizer: ``tokenizer``'s BPE files, or the byte tokenizer of a 256-token model); the config's
+        bos/eos ids are the tokenizer's end-of-text token (null without one).
 
         ``state`` (default: this model's ``state_dict()``) lets a sharded run save the parameters it gathered.
         """
@@ -275,6 +278,7 @@ class GPT(Module):
         if cfg.n_expert:
             raise ValueError("a mixture-of-experts GPT has no Hugging Face GPT-2 layout: save it with --save instead")
         os.makedirs(directory, exist_ok=True)
+        end_of_text = save_tokenizer(directory, cfg.vocab_size, cfg.block_size, tokenizer)
         hf = {
             "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
             "vocab_size": cfg.vocab_size, "n_positions": cfg.block_size, "n_ctx": cfg.block_size,
@@ -284,7 +288,7 @@ class GPT(Module):
             "scale_attn_weights": cfg.scale_attn_weights,
             "scale_attn_by_inverse_layer_idx": cfg.scale_attn_by_inverse_layer_idx,
             "reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": True,
-            "bos_token_id": cfg.vocab_size - 1, "eos_token_id": cfg.vocab_size - 1,
+            "bos_token_id": end_of_text, "eos_token_id": end_of_text,
             "dtype": cfg.dtype, "torch_dtype": cfg.dtype, "minipar": asdict(cfg),
         }
         write_hf_weights(directory, state if state is not None else self.state_dict(), max_shard_bytes)
