@@ -27,6 +27,7 @@ def generate(args: argparse.Namespace) -> None:
     from minipar.models.gpt import GPT
 
     set_device(args.device)
+    source = args.ckpt  # where the tokenizer files are: the HF directory, or the training checkpoint's step
     if os.path.isfile(os.path.join(args.ckpt, "config.json")):
         model = GPT.from_hf(args.ckpt)
     else:  # a training checkpoint (train --save): its newest complete step, merged from any layout
@@ -39,7 +40,8 @@ def generate(args: argparse.Namespace) -> None:
                                     "checkpoint (a train --save directory)") from None
         model = GPT(loaded.config)
         model.load_state_dict(loaded.params)
-    tok = tokenizer_for(args.ckpt, model.config.vocab_size)
+        source = loaded.path
+    tok = tokenizer_for(source, model.config.vocab_size)
     prompt = tok.encode(args.prompt)
     if len(prompt) == 0:
         raise ValueError("--prompt must not be empty")
@@ -81,7 +83,7 @@ def export(args: argparse.Namespace) -> None:
     from minipar.models.gpt import GPT
 
     loaded = load_checkpoint(args.ckpt)
-    GPT(loaded.config).save_hf(args.out, loaded.params)
+    GPT(loaded.config).save_hf(args.out, loaded.params, tokenizer=loaded.path)  # its tokenizer files, or bytes
     print(f"exported step {loaded.step} ({loaded.layout}) to {args.out}/ (config.json, model.safetensors and the "
           "tokenizer files)")
 

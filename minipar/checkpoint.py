@@ -69,7 +69,7 @@ def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]
     scalars every rank shares (rank 0's are written); ``rank_state`` what only this rank holds.
     """
     world = mesh.world
-    step_dir = os.path.join(root, f"step_{step:06d}")
+    step_dir = step_path(root, step)
     os.makedirs(step_dir, exist_ok=True)
     record = own = b""
     if state is not None:
@@ -96,6 +96,11 @@ def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]
             for stale in glob.glob(os.path.join(glob.escape(folder), "*.tmp-*")):
                 os.remove(stale)
     return step_dir
+
+
+def step_path(root: str, step: int) -> str:
+    """Where the checkpoint of ``step`` lives under a --save ``root``."""
+    return os.path.join(root, f"step_{step:06d}")
 
 
 def _write(step_dir: str, name: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> dict[str, Any]:

@@ -177,8 +177,9 @@ def default_corpus() -> bytes:
     return b"\n".join(chunks)
 
 
-def load_tokens(path: str | None = None) -> np.ndarray:
-    """Byte tokens of ``path`` (any file), or of the default corpus when ``path`` is None."""
+def load_tokens(path: str | None = None, tokenizer: ByteTokenizer | BPETokenizer | None = None) -> np.ndarray:
+    """The tokens of ``path`` (any file), or of the default corpus when ``path`` is None: its bytes, or — with a
+    BPE ``tokenizer`` (a checkpoint's own) — the ids it encodes the text (UTF-8) into."""
     if path is None:
         raw = default_corpus()
     else:
@@ -188,6 +189,8 @@ def load_tokens(path: str | None = None) -> np.ndarray:
             raise FileNotFoundError(f"data file not found: {path}")
         with open(path, "rb") as f:
             raw = f.read()
+    if isinstance(tokenizer, BPETokenizer):
+        return tokenizer.encode(raw.decode("utf-8", errors="replace"))
     return np.frombuffer(raw, dtype=np.uint8)
 
 

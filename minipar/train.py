@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import hashlib
 import math
+import os
 import signal
 import time
 import tracemalloc
@@ -28,10 +29,10 @@ import numpy as np
 
 from minipar import trace
 from minipar.backend import set_device, set_kernels, xp
-from minipar.checkpoint import Checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint
+from minipar.checkpoint import Checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint, step_path
 from minipar.cli import Progress, check_ranks_agree, choose_layout, validate
 from minipar.comm import Communicator, start_watchdog
-from minipar.data import Batches, load_tokens, shard_rows, split_tokens
+from minipar.data import Batches, load_tokens, save_tokenizer, shard_rows, split_tokens, tokenizer_for
 from minipar.models.gpt import GPT, GPTConfig
 from minipar.optim import AdamW, LossScaler, cosine_lr
 from minipar.parallel.compression import make_compressor
@@ -52,7 +53,7 @@ from minipar.parallel.zero import ZeRO
 def build_model(args: argparse.Namespace, cfg: GPTConfig, mesh: Mesh, resumed: Checkpoint | None) -> GPT:
     """The full model on every rank (same seed, HF checkpoint or training checkpoint), then this rank's tp slice."""
     if args.init_from and resumed is None:
-        model = GPT.from_hf(args.init_from, dtype=args.dtype)
+        model = GPT.from_hf(args.init_from, dtype=cfg.dtype)  # in the asked precision: 16 bits under mixed
     else:
         model = GPT(cfg, seed=args.seed)
         if resumed is not None:
@@ -95,9 +96,13 @@ def restore_training_state(resumed: Checkpoint, layout: Layout, world: Communica
 
 
 def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any, model: GPT, mesh: Mesh,
-               layout: Layout, scaler: LossScaler | None, local_sgd: LocalSGD | None) -> str:
+               layout: Layout, scaler: LossScaler | None, local_sgd: LocalSGD | None, tokenizer: str | None) -> str:
     """Save parameters and AdamW state in this layout (the first replica of each (pp, tp) slice writes them), the
-    loss scaler's state, and what only each rank holds (a compressor's error feedback; local SGD's replica)."""
+    loss scaler's state, what only each rank holds (a compressor's error feedback; local SGD's replica), and the
+    tokenizer files (``tokenizer``'s BPE, or bytes), so that a resumed run, generate and export encode alike."""
+    if mesh.world.rank == 0:  # before the manifest: a checkpoint that has one is complete
+        os.makedirs(step_path(args.save, step), exist_ok=True)
+        save_tokenizer(step_path(args.save, step), model.config.vocab_size, model.config.block_size, tokenizer)
     names = {id(p): n for n, p in model.named_parameters()}
     own = {**engine.rank_state(), **(local_sgd.export_state(optimizer, names) if local_sgd else {})}
     params = {**engine.gathered_state_dict(), **optimizer.master_state(names)}  # a 16-bit model's float32 masters
@@ -262,9 +267,17 @@ def step_record(step: int, args: argparse.Namespace, loss: float, norm: float, m
             "pipeline": pipeline.stats}
 
 
-def load_data(args: argparse.Namespace, block: int) -> tuple[np.ndarray, Batches, Batches | None, str | None]:
-    """(all tokens, training batches, validation batches or None, a note on rank 0's first lines or None)."""
-    tokens = load_tokens(args.data)
+def tokenizer_source(args: argparse.Namespace, resumed: Checkpoint | None) -> str | None:
+    """The directory whose tokenizer files the run encodes with: a resumed checkpoint's, or --init-from's."""
+    return resumed.path if resumed is not None else args.init_from
+
+
+def load_data(args: argparse.Namespace, cfg: GPTConfig, resumed: Checkpoint | None
+              ) -> tuple[np.ndarray, Batches, Batches | None, str | None]:
+    """(all tokens, training batches, validation batches or None, a note on rank 0's first lines or None). The
+    tokens are bytes, or the BPE ids of the tokenizer a resumed checkpoint or --init-from directory came with."""
+    block = cfg.block_size
+    tokens = load_tokens(args.data, tokenizer_for(tokenizer_source(args, resumed), cfg.vocab_size))
     source = args.data or "the default corpus"
     train_tokens, val_tokens = split_tokens(tokens)
     if len(train_tokens) < block + 2:
@@ -296,7 +309,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     cfg, layout = validate(args, world.size, resumed)
     set_kernels(args.kernels)
     block = cfg.block_size
-    tokens, batches, val_batches, data_note = load_data(args, block)
+    tokens, batches, val_batches, data_note = load_data(args, cfg, resumed)
+    tokenizer_dir = tokenizer_source(args, resumed)
     check_ranks_agree(world, "data", {"data": f"{args.data or 'the embedded corpus'} (sha256 "
                                               f"{hashlib.sha256(np.ascontiguousarray(tokens).tobytes()).hexdigest()[:12]})"})
     if args.peak_memory:  # after the corpus is loaded, before the model is built: the peak includes the model state
@@ -396,7 +410,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                 interrupt.request(signal.SIGPIPE)
             stop = interrupt.requested()
             if args.save and (stop or last or (args.save_interval and (step + 1) % args.save_interval == 0)):
-                saved = checkpoint(args, step + 1, engine, optimizer, model, mesh, layout, scaler, local_sgd)
+                saved = checkpoint(args, step + 1, engine, optimizer, model, mesh, layout, scaler, local_sgd,
+                                   tokenizer_dir)
                 progress.say(f"checkpoint {saved}")
                 if last or stop:
                     progress.written.append(f"checkpoint: {saved} (resume with --resume {args.save})")
@@ -414,7 +429,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             state = full_state_dict(engine, optimizer, model, mesh)
             if lead:  # the config says the dtype the weights are in (float32 masters under mixed precision)
                 GPT(dataclasses.replace(cfg, dtype=str(next(iter(state.values())).dtype))).save_hf(
-                    args.out, state, tokenizer=args.init_from)
+                    args.out, state, tokenizer=tokenizer_dir)
             progress.written.append(f"model: {args.out}/ (Hugging Face GPT-2; python -m minipar generate --ckpt "
                                     f"{args.out})")
         finished = True

@@ -2,6 +2,7 @@
 refused, dtypes, sharded weight directories and strict safetensors parsing."""
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -187,6 +188,36 @@ def test_the_tokenizer_travels_with_the_model(tmp_path, trained_bpe):
     assert json.load(open(tmp_path / "bpe" / "config.json"))["eos_token_id"] == vocab.get("<|endoftext|>")
     GPT(GPTConfig(**TINY)).save_hf(str(tmp_path / "none"))
     assert not os.path.exists(tmp_path / "none" / "vocab.json")
+
+
+def test_init_from_trains_with_the_directorys_tokenizer_and_precision(tmp_path, trained_bpe):
+    """train --init-from DIR encodes the corpus with DIR's BPE (it trained on raw bytes, an IndexError below 256
+    tokens), in the asked precision (bf16-mixed: 2-byte parameters; it trained in float32), and --save, --out,
+    generate and export carry that tokenizer on; a directory of fewer than 256 tokens without one is refused."""
+    from minipar.checkpoint import load_checkpoint
+    from minipar.testing import run_command
+
+    directory, reference = trained_bpe
+    n_vocab = len(json.load(open(os.path.join(directory, "vocab.json"))))
+    cfg = GPTConfig(vocab_size=n_vocab, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    GPT(cfg, seed=0).save_hf(str(tmp_path / "init"), tokenizer=directory)
+    save, out, log = tmp_path / "save", tmp_path / "out", tmp_path / "run.jsonl"
+    text = run_command(1, [sys.executable, "-m", "minipar", "train", "--init-from", str(tmp_path / "init"), "--steps",
+                           "2", "--batch-size", "4", "--eval-interval", "0", "--precision", "bf16-mixed", "--save",
+                           str(save), "--out", str(out), "--log-file", str(log)], timeout=300)
+    corpus = default_corpus().decode("utf-8", errors="replace")
+    assert f"{len(BPETokenizer.from_dir(directory).encode(corpus)):,} tokens" in text and "bf16-mixed" in text
+    record = json.loads(open(log).readline())
+    assert record["model_state_bytes"]["params"] == 2 * cfg.num_parameters()  # bfloat16 parameters
+    for place in (out, load_checkpoint(str(save)).path):
+        assert json.load(open(os.path.join(place, "vocab.json"))) == json.load(open(os.path.join(directory, "vocab.json")))
+    sample = run_command(1, [sys.executable, "-m", "minipar", "generate", "--ckpt", str(save), "--prompt", "def x",
+                             "--max-new-tokens", "3"], timeout=120)
+    assert sample.startswith("def x")
+    GPT(GPTConfig(vocab_size=100, block_size=16, n_layer=1, n_head=2, n_embd=8)).save_hf(str(tmp_path / "small"))
+    with pytest.raises(AssertionError, match="vocab_size 100 < 256 cannot hold byte tokens"):
+        run_command(1, [sys.executable, "-m", "minipar", "train", "--init-from", str(tmp_path / "small"), "--steps",
+                        "1", "--batch-size", "4"], timeout=120)
 
 
 def test_sharded_save_and_load(tmp_path):
