@@ -54,10 +54,38 @@ def _byte_to_unicode() -> dict[int, str]:
 _PRETOKEN = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
 
 
+END_OF_TEXT = "<|endoftext|>"
+
+
+def _listed_special_tokens(directory: str) -> list[str]:
+    """The added and special tokens transformers' tokenizer files name: tokenizer_config.json's added_tokens_decoder
+    and its *_token entries, special_tokens_map.json, added_tokens.json (whichever exist)."""
+    found: list[str] = []
+    for name in ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"):
+        try:
+            with open(os.path.join(directory, name), encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if name == "added_tokens.json":
+            found += list(data)
+            continue
+        found += [t["content"] for t in data.get("added_tokens_decoder", {}).values() if isinstance(t, dict)]
+        for key, value in data.items():
+            if key.endswith("_token"):
+                found += [value["content"] if isinstance(value, dict) else value] if value else []
+    return [t for t in found if isinstance(t, str)]
+
+
 class BPETokenizer:
     """GPT-2 byte-pair encoding: split into words, map bytes to symbols, merge the best-ranked pair until none applies."""
 
-    def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]]):
+    def __init__(self, vocab: dict[str, int], merges: list[tuple[str, str]], special: tuple[str, ...] = ()):
+        """``special``: added tokens (``<|endoftext|>``, ...) that are split out of the text before pre-tokenization
+        and map to their one id each, as `tokenizers` does; those not in ``vocab`` are ignored."""
+        self.special = {t: vocab[t] for t in special if t in vocab}
+        self._special_split = regex.compile("(" + "|".join(regex.escape(t) for t in sorted(self.special, key=len, reverse=True))
+                                            + ")") if self.special else None
         self.encoder = vocab
         self.decoder = {i: s for s, i in vocab.items()}
         self.ranks = {pair: i for i, pair in enumerate(merges)}
@@ -79,7 +107,7 @@ class BPETokenizer:
         bad = next((n for n, pair in enumerate(merges, 1) if len(pair) != 2), None)
         if bad is not None:
             raise ValueError(f"{merges_path}: merge {bad} is not two symbols separated by a space")
-        return cls(vocab, merges)
+        return cls(vocab, merges, (END_OF_TEXT, *_listed_special_tokens(directory)))
 
     @functools.lru_cache(maxsize=65536)  # noqa: B019 (one tokenizer per process): a word cache
     def _bpe(self, word: str) -> tuple[str, ...]:
@@ -112,9 +140,14 @@ class BPETokenizer:
 
     def encode(self, text: str) -> np.ndarray:
         ids = []
-        for word in _PRETOKEN.findall(text):
-            symbols = "".join(self.byte_chars[b] for b in word.encode("utf-8"))
-            ids.extend(self.encoder[s] for s in self._bpe(symbols))
+        pieces = self._special_split.split(text) if self._special_split else [text]
+        for k, piece in enumerate(pieces):  # odd pieces are special tokens, split out first
+            if k % 2:
+                ids.append(self.special[piece])
+                continue
+            for word in _PRETOKEN.findall(piece):
+                symbols = "".join(self.byte_chars[b] for b in word.encode("utf-8"))
+                ids.extend(self.encoder[s] for s in self._bpe(symbols))
         return np.array(ids, dtype=np.int64)
 
     def decode(self, ids) -> str:
@@ -122,7 +155,6 @@ class BPETokenizer:
         return bytes(self.char_bytes[c] for c in text).decode("utf-8", errors="replace")
 
 
-END_OF_TEXT = "<|endoftext|>"
 
 
 def save_tokenizer(directory: str, vocab_size: int, block_size: int, source: str | None = None) -> int | None:

@@ -58,6 +58,25 @@ def test_bpe_on_long_words_matches_tokenizers(trained_bpe):
     assert ours.encode("a" * 5001).tolist() == reference.encode("a" * 5001).ids  # one pair, ranked equal throughout
 
 
+def test_special_tokens_are_split_out_first(tmp_path):
+    """<|endoftext|> — and any token the tokenizer files list as added or special — is one id wherever it stands,
+    even inside a word, as `tokenizers` encodes it; without the listing, "<|pad|>" is ordinary text."""
+    tokenizers = pytest.importorskip("tokenizers", reason="the BPE reference needs `pip install minipar[test]`")
+    reference = tokenizers.ByteLevelBPETokenizer(add_prefix_space=False)
+    reference.train_from_iterator([default_corpus()[:100_000].decode("utf-8", errors="replace")], vocab_size=400,
+                                  min_frequency=2, special_tokens=["<|endoftext|>", "<|pad|>"], show_progress=False)
+    reference.save_model(str(tmp_path))
+    text = "def f():<|endoftext|>return 1 <|pad|>x<|endoftext|><|endoftext|> end<|endoftext"
+    plain = BPETokenizer.from_dir(str(tmp_path))
+    ids = plain.encode(text).tolist()
+    assert ids.count(plain.encoder["<|endoftext|>"]) == 3 and plain.encoder["<|pad|>"] not in ids
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"added_tokens_decoder": {str(plain.encoder["<|pad|>"]): {"content": "<|pad|>", "special": True}}}))
+    listed = BPETokenizer.from_dir(str(tmp_path))
+    assert listed.encode(text).tolist() == reference.encode(text).ids
+    assert listed.decode(listed.encode(text)) == text
+
+
 def test_bpe_keeps_every_underscore(trained_bpe):
     ours = BPETokenizer.from_dir(trained_bpe[0])
     code = default_corpus()[:125_000].decode("utf-8", errors="replace")
