@@ -328,8 +328,9 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         restore_optimizer(optimizer, model, mesh, resumed)
     split_sum = group_sum(mesh.tp_comm, mesh.pp_comm, mesh.ep_comm)
     scaler = LossScaler(args.loss_scale) if args.precision == "fp16-mixed" else None
-    if scaler:  # overflowing fp16 gradients are expected; the scaler detects them and skips the step
-        np.seterr(over="ignore", invalid="ignore")
+    # a non-finite value is the loop's to report: the fp16 scaler skips an overflowed step, and a diverged loss or
+    # gradient norm stops the run with one line — numpy's RuntimeWarnings would only print ahead of it
+    np.seterr(over="ignore", invalid="ignore", divide="ignore")
     lead, first_step = world.rank == 0, resumed.step if resumed else 0
     progress = Progress(args, lead, first_step)
     norm_bytes = count_layer_norm_bytes(model)

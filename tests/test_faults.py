@@ -78,6 +78,7 @@ def test_divergence_stops_with_an_error_and_saves_nothing(tmp_path, ranks):
     proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env={**os.environ, **RANK_ENV})
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("training diverged") == 1 and "not finite" in proc.stderr
+    assert "RuntimeWarning" not in proc.stderr  # the one line, not numpy's warnings ahead of it
     records = [_strict_json(line) for line in proc.stdout.splitlines()]  # every line is valid JSON
     bad = records[-1]
     assert bad["loss"] is None or bad["grad_norm"] is None
