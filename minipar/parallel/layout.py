@@ -154,10 +154,11 @@ class Layout:
                     shard_group=self.shard_group or None)
 
     def flags(self) -> list[str]:
-        """The command-line flags of every field (``train`` rebuilds this layout from them)."""
+        """The command-line flags of every field that means something here (``train`` rebuilds this layout from
+        them, and refuses a flag without its mode: the cp kind and split only with cp ≥ 2)."""
         return ["--recompute", self.recompute, "--dp", str(self.dp), "--tp", str(self.tp), "--pp", str(self.pp),
                 "--zero", str(self.zero), "--microbatches", str(self.microbatches), "--schedule", self.schedule,
-                "--cp", str(self.cp), "--cp-kind", self.cp_kind, "--cp-split", self.cp_split,
+                "--cp", str(self.cp), *(["--cp-kind", self.cp_kind, "--cp-split", self.cp_split] if self.cp > 1 else []),
                 *(["--sp"] if self.sp else []), "--ep", str(self.ep), "--virtual-stages", str(self.virtual_stages),
                 *(["--shard-group", str(self.shard_group)] if self.shard_group else []),
                 "--precision", self.precision, "--compression", self.compression, "--local-sgd", str(self.local_sgd)]
@@ -202,23 +203,33 @@ OPTIONS: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
 CHOICES = ("zero", "cp_kind", "schedule", "recompute", "precision")  # one value per run: two are alternatives
 
 
+TABLE_MODEL = dict(vocab_size=64, block_size=16, n_layer=8, n_head=4, n_embd=16)  # what the table checks against
+
+
+def combine(a: tuple, b: tuple) -> tuple[Layout, dict[str, Any]] | None:
+    """Two :data:`OPTIONS` put together — the larger degree where both set one — as (layout, model fields); None
+    when they are two values of one choice (two ZeRO stages, two schedules, ...)."""
+    (_, fa, ma), (_, fb, mb) = a, b
+    if any(k in fa and k in fb for k in CHOICES):
+        return None
+    return Layout(**{**fa, **fb, **{k: max(fa[k], fb[k]) for k in fa.keys() & fb.keys()}}), {**ma, **mb}
+
+
 def composition_table() -> str:
-    """README's "what composes with what": every pair of :data:`OPTIONS` put together (the larger degree where
-    both set one) and to :meth:`Layout.validate` on an 8-layer model: ✓ accepted, a number the refusal listed
-    below the table, · two values of one choice (a ZeRO stage, a schedule, a precision, ...)."""
+    """README's "what composes with what": every pair of :data:`OPTIONS` (:func:`combine`) put to
+    :meth:`Layout.validate` on an 8-layer model: ✓ accepted, a number the refusal listed below the table, · two
+    values of one choice (a ZeRO stage, a schedule, a precision, ...)."""
     from minipar.models.gpt import GPTConfig
 
     refusals: list[str] = []
 
     def cell(a: tuple, b: tuple) -> str:
-        (_, fa, ma), (_, fb, mb) = a, b
-        if any(k in fa and k in fb for k in CHOICES):
+        pair = combine(a, b)
+        if pair is None:
             return "·"
-        fields = {**fa, **fb, **{k: max(fa[k], fb[k]) for k in fa.keys() & fb.keys()}}
-        layout = Layout(**fields)
+        layout, model = pair
         try:
-            layout.validate(GPTConfig(vocab_size=64, block_size=16, n_layer=8, n_head=4, n_embd=16, **{**ma, **mb}),
-                            batch_size=16 * layout.dp)
+            layout.validate(GPTConfig(**TABLE_MODEL, **model), batch_size=16 * layout.dp)
         except ValueError as refusal:
             if str(refusal) not in refusals:
                 refusals.append(str(refusal))
