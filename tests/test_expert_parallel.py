@@ -37,15 +37,16 @@ def _mesh_groups(dp, ep, cp, tp):
     members = {name: sorted(int(r) for r in getattr(mesh, name).all_gather(np.array([world.rank])))
                for name in ("ep_comm", "expert_grad_comm", "grad_comm")}
     pp, dp_rank, cp_rank, tp_rank = mesh.coordinates(world.rank)
-    rank_of = lambda d, c: (d * cp + c) * tp + tp_rank  # noqa: E731
-    first = dp_rank - dp_rank % ep
-    assert members["ep_comm"] == sorted(rank_of(d, cp_rank) for d in range(first, first + ep))
-    assert members["expert_grad_comm"] == sorted(rank_of(d, c) for d in range(dp_rank % ep, dp, ep) for c in range(cp))
-    assert members["grad_comm"] == sorted(rank_of(d, c) for d in range(dp) for c in range(cp))
-    assert mesh.ep_comm.rank == dp_rank % ep
+    replica = dp_rank * cp + cp_rank  # ep is carved out of the dp·cp replicas, ep fastest
+    rank_of = lambda q: q * tp + tp_rank  # noqa: E731  (pp = 1: replica q, this tp coordinate)
+    first = replica - replica % ep
+    assert members["ep_comm"] == [rank_of(q) for q in range(first, first + ep)]
+    assert members["expert_grad_comm"] == [rank_of(q) for q in range(replica % ep, dp * cp, ep)]
+    assert members["grad_comm"] == [rank_of(q) for q in range(dp * cp)]
+    assert mesh.ep_comm.rank == mesh.ep_rank == replica % ep
 
 
-@pytest.mark.parametrize("dp,ep,cp,tp", [(4, 2, 1, 2), (4, 4, 2, 1), (6, 3, 1, 1)])
+@pytest.mark.parametrize("dp,ep,cp,tp", [(4, 2, 1, 2), (4, 4, 2, 1), (6, 3, 1, 1), (1, 2, 2, 2), (3, 2, 2, 1)])
 def test_mesh_ep_groups(dp, ep, cp, tp):
     run_ranks(dp * cp * tp, _mesh_groups, dp, ep, cp, tp)
 
@@ -175,7 +176,8 @@ SEQUENCE_CASES = [(2, ["--cp", "2"]), (2, ["--cp", "2", "--cp-kind", "ulysses"])
                   (4, ["--cp", "4", "--cp-split", "contiguous"]), (2, ["--tp", "2", "--sp"]),
                   (4, ["--cp", "2", "--tp", "2", "--sp"]), (4, ["--cp", "2", "--dp", "2", "--ep", "2"]),
                   (4, ["--cp", "2", "--pp", "2", "--microbatches", "2", "--schedule", "zb-h1"]),
-                  (4, ["--cp", "2", "--dp", "2", "--ep", "2", "--zero", "2", "--shard-group", "2"])]
+                  (4, ["--cp", "2", "--dp", "2", "--ep", "2", "--zero", "2", "--shard-group", "2"]),
+                  (2, ["--cp", "2", "--ep", "2"]), (4, ["--cp", "2", "--tp", "2", "--sp", "--ep", "2", "--zero", "1"])]
 
 
 @pytest.mark.parametrize("ranks,extra", SEQUENCE_CASES)
@@ -224,10 +226,9 @@ def test_hybrid_sharding_groups_for_experts():
     for dp, cp, ep in ((2, 1, 2), (4, 1, 2), (4, 1, 4), (2, 2, 2), (2, 3, 2), (4, 2, 2), (4, 2, 4), (6, 1, 2)):
         for k in (d for d in range(1, dp * cp) if dp * cp % d == 0):
             groups = {}
-            for dp_rank in range(dp):
-                for cp_rank in range(cp):
-                    key = ((dp_rank * cp + cp_rank) // k, dp_rank % ep)
-                    groups[key] = groups.get(key, 0) + 1
+            for replica in range(dp * cp):  # dp_rank·cp + cp_rank; its experts: replica mod ep (mesh.py)
+                key = (replica // k, replica % ep)
+                groups[key] = groups.get(key, 0) + 1
             layout = Layout(dp=dp, cp=cp, ep=ep, zero=3, shard_group=k, cp_kind="ring", cp_split="contiguous")
             uniform = len(set(groups.values())) == 1
             assert layout.accepts(cfg, 12 * dp) == uniform, (dp, cp, ep, k)
@@ -244,15 +245,14 @@ def _expert_shard_groups():
     from minipar.parallel.mesh import Mesh
 
     world = Communicator()
-    mesh = Mesh(world, dp=4, cp=2, ep=2, shard_group=4)  # shard groups: dp ranks {0, 1} and {2, 3}, both cp ranks
+    mesh = Mesh(world, dp=4, cp=2, ep=2, shard_group=4)  # shard groups: replicas 0-3 and 4-7 (rank = replica here)
     members = lambda comm: sorted(int(r) for r in comm.all_gather(np.array([world.rank])))  # noqa: E731
-    dp_rank = world.rank // 2  # rank = dp_rank·cp + cp_rank
-    group = [r for r in range(8) if r // 4 == world.rank // 4 and (r // 2) % 2 == dp_rank % 2]
+    experts = world.rank % 2  # the replica's ep rank
+    group = [r for r in range(8) if r // 4 == world.rank // 4 and r % 2 == experts]
     assert members(mesh.expert_shard_comm) == group  # this shard group's ranks with this rank's experts
     index = group.index(world.rank)
-    assert members(mesh.expert_shard_replica_comm) == [r for r in range(8) if (r // 2) % 2 == dp_rank % 2 and
-                                                       [q for q in range(8) if q // 4 == r // 4 and
-                                                        (q // 2) % 2 == dp_rank % 2].index(r) == index]
+    assert members(mesh.expert_shard_replica_comm) == [r for r in range(8) if r % 2 == experts and
+                                                       (r % 4) // 2 == index]
 
 
 def test_progress_line_reports_drops_and_expert_load():
@@ -264,9 +264,9 @@ def test_progress_line_reports_drops_and_expert_load():
 
 @pytest.mark.parametrize("ranks,args,message", [
     (2, ["--n-expert", "3", "--ep", "2"], "--ep 2 must divide --n-expert 3"),
-    (2, ["--n-expert", "4", "--ep", "4"], "--ep 4 must divide --dp 2"),
-    (4, ["--n-expert", "4", "--dp", "2", "--tp", "2", "--ep", "4"], "--ep 4 must divide --dp 2"),
-    (3, ["--n-expert", "4", "--ep", "2"], "--ep 2 must divide --dp 3"),
+    (2, ["--n-expert", "4", "--ep", "4"], "--ep 4 must divide dp·cp = 2"),
+    (4, ["--n-expert", "4", "--dp", "2", "--tp", "2", "--ep", "4"], "--ep 4 must divide dp·cp = 2"),
+    (3, ["--n-expert", "4", "--ep", "2"], "--ep 2 must divide dp·cp = 3"),
     (1, ["--n-expert", "2", "--expert-top-k", "3"], "--expert-top-k 3 must be between 1 and --n-expert 2"),
     (2, ["--ep", "2"], "--ep splits the experts of a mixture-of-experts model: pass --n-expert"),
     (1, ["--n-expert", "4", "--out", "x"], "--out writes Hugging Face GPT-2"),

@@ -143,13 +143,13 @@ def test_recomputation_options_follow_the_engine():
 
 
 def test_expert_terms_and_layouts():
-    """Experts: ep | dp and ep | E, with pp, cp and sp; expert states 1/ep per rank, reduced over dp/ep; exchanges
+    """Experts: ep | dp·cp and ep | E, with pp, cp and sp; expert states 1/ep per rank, reduced over dp/ep; exchanges
     cost; under tp a MoE MLP makes no all-reduce, under sp it gathers (half an all-reduce each way), under cp it
     gathers the routing choices."""
     moe = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64, n_expert=4)
     layouts = planner.enumerate_layouts(moe, 8, 16)
     assert {lay.ep for lay in layouts} == {1, 2, 4}
-    assert all(lay.dp % lay.ep == 0 for lay in layouts)
+    assert all((lay.dp * lay.cp) % lay.ep == 0 for lay in layouts) and any(lay.dp % lay.ep for lay in layouts)
     assert {lay.pp for lay in layouts} == {1, 2, 4} and {lay.cp for lay in layouts} == {1, 2, 4, 8}
     assert any(lay.sp for lay in layouts) and any(lay.cp > 1 and lay.ep > 1 for lay in layouts)
     link = planner.Link(1e-5, 1e-9)

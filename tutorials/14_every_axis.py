@@ -2,8 +2,8 @@
 
     python tutorials/14_every_axis.py          (it starts mpiexec -n 16 itself)
 
-Five axes of degree 2 take 2·2·2·2 = 16 ranks: expert parallelism is carved out of the data-parallel
-ranks, so ep 2 adds none. The model is a mixture of experts (4 experts, top-2, capacity 0.5, so tokens
+Five axes of degree 2 take 2·2·2·2 = 16 ranks: expert parallelism is carved out of the dp·cp replicas,
+so ep 2 adds none. The model is a mixture of experts (4 experts, top-2, capacity 0.5, so tokens
 drop) trained in float64 under DualPipeV with 4 microbatches.
 
 1. The layout: one `Layout`, checked by its rules before any rank starts, and where rank 5 sits.
@@ -34,7 +34,8 @@ layout.validate(GPTConfig(vocab_size=256, block_size=8, n_layer=4, n_head=2, n_e
 print(f"1. {layout}: {layout.world} ranks, accepted by Layout's rules")
 rank_of = lambda pp, dp, cp, tp: ((pp * 2 + dp) * 2 + cp) * 2 + tp  # noqa: E731  mesh.py: tp fastest, then cp, dp, pp
 assert rank_of(0, 1, 0, 1) == 5
-partners = {"tp": rank_of(0, 1, 0, 0), "cp": rank_of(0, 1, 1, 1), "dp (and ep)": rank_of(0, 0, 0, 1),
+# ep groups are runs of 2 of the replicas q = dp·cp + cp_rank (mesh.py): rank 5 is replica 2, its ep partner replica 3
+partners = {"tp": rank_of(0, 1, 0, 0), "cp (and ep)": rank_of(0, 1, 1, 1), "dp": rank_of(0, 0, 0, 1),
             "pp": rank_of(1, 1, 0, 1)}
 print("   rank 5 = (pp, dp, cp, tp) (0, 1, 0, 1); its partner along each axis: "
       + ", ".join(f"{axis} {rank}" for axis, rank in partners.items()))

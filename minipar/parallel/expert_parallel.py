@@ -1,8 +1,8 @@
 """Expert parallelism (GShard, DeepSpeed-MoE, Megatron-core): the E experts of every MoE layer are
 split over the ep ranks of an expert-parallel group; tokens travel to their experts and back.
 
-The ep group is carved out of the data-parallel ranks (mesh.py): each of its ranks trains on its
-own rows of the batch, holds experts [r·E/ep, (r+1)·E/ep) and routes its own tokens exactly as
+The ep group is carved out of the data-parallel replicas, dp × cp (mesh.py): each of its ranks trains on
+its own tokens of the batch (its rows, or its pieces of their sequences), holds experts [r·E/ep, (r+1)·E/ep) and routes its own tokens exactly as
 the single-process MoE layer does (models/moe.py: top-k, capacity per expert, priority rule).
 Its kept assignments fill slots 0 … load[e] − 1 of each expert e. One MoE layer, on rank r:
 
@@ -25,7 +25,7 @@ batch — so outputs, the balancing loss and all gradients are those of single-p
 (with the same token groups: one rank's microbatch; train.py's reference runs dp·m microbatches).
 
 Gradients: an expert's weight gradient on its owner sums the ep ranks' token contributions; the
-dense parameters are replicated over all dp ranks and the experts only over the dp/ep ranks with
+dense parameters are replicated over all dp·cp replicas and the experts only over the dp·cp/ep ranks with
 the same ep rank (mesh.expert_grad_comm), so data_parallel.replica_groups averages each where it
 lives. For the global gradient norm (summed over ep ranks like over tp ranks) a dense parameter's
 squares count 1/ep on each ep rank (``norm_scale``).
@@ -50,7 +50,8 @@ from minipar.nn import Module, Parameter
 
 
 def check_expert_parallel(cfg: Any, ep: int, dp: int) -> None:
-    """Raise before any communication if ``ep`` cannot split this model's experts over the data-parallel ranks."""
+    """Raise before any communication if ``ep`` cannot split this model's experts over the ``dp`` data-parallel
+    replicas (dp·cp: context-parallel ranks are replicas too)."""
     if ep < 1:
         raise ValueError(f"--ep must be positive, got {ep}")
     if ep == 1:
@@ -60,7 +61,8 @@ def check_expert_parallel(cfg: Any, ep: int, dp: int) -> None:
     if cfg.n_expert % ep:
         raise ValueError(f"--ep {ep} must divide --n-expert {cfg.n_expert}: every rank holds n_expert/ep experts")
     if dp % ep:
-        raise ValueError(f"--ep {ep} must divide --dp {dp}: expert parallelism is carved out of the data-parallel ranks")
+        raise ValueError(f"--ep {ep} must divide dp·cp = {dp}: expert parallelism is carved out of the data-parallel "
+                         "replicas")
 
 
 class AllToAllRows(Function):

@@ -103,15 +103,15 @@ class Layout:
                                  "replicas (dp·cp)")
             if self.ep > 1 and len(self.expert_shard_sizes()) > 1:
                 raise ValueError(f"--shard-group {self.shard_group} with --ep {self.ep}: each shard group (runs of "
-                                 f"{self.shard_group} of the dp·cp replicas, cp fastest) must hold the same number of "
-                                 "ranks of every expert group it holds; a multiple of cp·ep or a divisor of cp does")
+                                 f"{self.shard_group} of the dp·cp replicas) must hold the same number of ranks of "
+                                 "every expert group it holds; a multiple or a divisor of --ep does")
         if self.compression != "none" and self.zero:
             raise ValueError("--compression plugs into plain data parallelism: use it with --zero 0")
         if self.local_sgd and (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.zero or self.compression != "none"):
             raise ValueError("--local-sgd replaces the gradient all-reduce of plain data parallelism: use it with --dp "
                              "alone (no --tp/--pp/--cp/--zero/--compression)")
         check_tensor_parallel(cfg, self.tp, self.sp)
-        check_expert_parallel(cfg, self.ep, self.dp)
+        check_expert_parallel(cfg, self.ep, self.dp * self.cp)
         if cfg.n_expert:
             if self.ep > 1 and (self.local_sgd or self.compression != "none"):
                 raise ValueError("--ep reduces expert gradients over their own replicas: use it without --local-sgd "
@@ -129,11 +129,12 @@ class Layout:
 
     def expert_shard_sizes(self) -> set[int]:
         """How many ranks shard the experts of one ep rank within one shard group, over every (group, ep rank) pair
-        present: one size when the layout is valid (mesh.expert_shard_comm); replica = dp_rank·cp + cp_rank."""
+        present: one size when the layout is valid (mesh.expert_shard_comm); replica = dp_rank·cp + cp_rank, its
+        ep rank replica mod ep."""
         counts: dict[tuple[int, int], int] = {}
         run = self.shard_group or self.dp * self.cp
         for replica in range(self.dp * self.cp):
-            key = (replica // run, replica // self.cp % self.ep)
+            key = (replica // run, replica % self.ep)
             counts[key] = counts.get(key, 0) + 1
         return set(counts.values())
 

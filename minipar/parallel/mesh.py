@@ -12,11 +12,12 @@ Parameters are replicated over dp and cp alike (cp ranks hold the same weights a
 tokens), so gradients reduce — and ZeRO shards — over ``grad_comm``, the dp × cp ranks with this
 rank's (pp, tp) coordinates. With cp = 1 it is the dp group itself.
 
-Expert parallelism is carved out of the data-parallel ranks (DeepSpeed-MoE, Megatron-core): the dp
-coordinate splits as dp_rank = edp_rank · ep + ep_rank, so runs of ep consecutive dp ranks form an
-``ep_comm`` that exchanges tokens and holds E/ep experts each. A rank's experts are replicated only
-over the ranks with the same ep_rank — ``expert_grad_comm``, dp/ep × cp ranks — where their
-gradients reduce. With ep = 1 it is ``grad_comm``.
+Expert parallelism is carved out of the dp × cp replicas (DeepSpeed-MoE, Megatron-core): the replica index
+q = dp_rank · cp + cp_rank (grad_comm's order) splits as q = (q // ep) · ep + ep_rank, so runs of ep
+consecutive replicas form an ``ep_comm`` that exchanges tokens and holds E/ep experts each — the pieces of
+one sequence under cp may go to different experts' owners, as any tokens do. A rank's experts are
+replicated only over the replicas with the same ep_rank — ``expert_grad_comm``, dp·cp/ep ranks — where their
+gradients reduce. With ep = 1 it is ``grad_comm``; with cp = 1, ep_rank = dp_rank mod ep.
 
 Hybrid sharding (``shard_group`` K, FSDP's HYBRID_SHARD): ZeRO shards within runs of K consecutive
 grad_comm ranks (``shard_comm``) and replicates across the N/K runs (``shard_replica_comm``, the ranks
@@ -34,7 +35,6 @@ from __future__ import annotations
 from minipar.comm import Communicator
 
 AXES = ("pp", "dp", "cp", "tp")  # slowest to fastest
-_FINE_AXES = ("pp", "edp", "ep", "cp", "tp")  # dp = edp × ep
 
 
 class Mesh:
@@ -44,8 +44,9 @@ class Mesh:
         for name, size in sizes.items():
             if size < 1:
                 raise ValueError(f"--{name} must be >= 1, got {size}")
-        if dp % ep:
-            raise ValueError(f"--ep {ep} must divide --dp {dp}: expert parallelism is carved out of the data-parallel ranks")
+        if (dp * cp) % ep:
+            raise ValueError(f"--ep {ep} must divide dp·cp = {dp * cp}: expert parallelism is carved out of the "
+                             "data-parallel replicas")
         total = pp * dp * cp * tp
         if total != world.size:
             raise ValueError(f"world size {world.size} != pp·dp·cp·tp = {pp}·{dp}·{cp}·{tp}; launch with mpiexec -n {total}")
@@ -53,18 +54,18 @@ class Mesh:
         self.dp, self.tp, self.pp, self.cp, self.ep = dp, tp, pp, cp, ep
         coords = dict(zip(AXES, self.coordinates(world.rank)))
         self.pp_rank, self.dp_rank, self.cp_rank, self.tp_rank = (coords[a] for a in AXES)
-        self.ep_rank = self.dp_rank % ep
-        fine = {**coords, "edp": self.dp_rank // ep, "ep": self.ep_rank}
-        self._fine_sizes = {**sizes, "edp": dp // ep}
+        replicas, replica = dp * cp, self.dp_rank * cp + self.cp_rank
+        self.ep_rank = replica % ep
         # one group per axis: the ranks that share every other coordinate, ordered along the axis
-        self.pp_comm = self._group(["pp"], fine)
-        self.dp_comm = self._group(["edp", "ep"], fine, "dp")
-        self.cp_comm = self._group(["cp"], fine)
-        self.tp_comm = self._group(["tp"], fine)
-        self.grad_comm = self.dp_comm if cp == 1 else self._group(["edp", "ep", "cp"], fine, "dp·cp")
-        self.ep_comm = self._group(["ep"], fine)
-        self.expert_grad_comm = self.grad_comm if ep == 1 else self._group(["edp", "cp"], fine, "expert dp")
-        replicas = dp * cp
+        self.pp_comm = self._group(["pp"], coords)
+        self.dp_comm = self._group(["dp"], coords)
+        self.cp_comm = self._group(["cp"], coords)
+        self.tp_comm = self._group(["tp"], coords)
+        self.grad_comm = self.dp_comm if cp == 1 else self._group(["dp", "cp"], coords, "dp·cp")
+        stage = self.pp_rank * tp + self.tp_rank  # the (pp, tp) coordinates the expert groups share
+        self.ep_comm = world.split(color=stage * (replicas // ep) + replica // ep, key=self.ep_rank, name="ep")
+        self.expert_grad_comm = self.grad_comm if ep == 1 else world.split(
+            color=stage * ep + self.ep_rank, key=replica // ep, name="expert dp")
         k = shard_group or replicas
         if k < 1 or replicas % k:
             raise ValueError(f"--shard-group {k} must divide the {replicas} data-parallel replicas (dp·cp)")
@@ -81,11 +82,11 @@ class Mesh:
     def _group(self, axes: list[str], coords: dict[str, int], name: str | None = None) -> Communicator:
         """The ranks whose coordinates differ from this rank's only along ``axes`` (key: their order there)."""
         color, key = 0, 0
-        for axis in _FINE_AXES:
+        for axis in AXES:
             if axis in axes:
-                key = key * self._fine_sizes[axis] + coords[axis]
+                key = key * self.sizes[axis] + coords[axis]
             else:
-                color = color * self._fine_sizes[axis] + coords[axis]
+                color = color * self.sizes[axis] + coords[axis]
         return self.world.split(color=color, key=key, name=name or axes[0])
 
     def coordinates(self, rank: int) -> tuple[int, int, int, int]:

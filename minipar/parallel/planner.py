@@ -317,7 +317,7 @@ def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool | t
                       context: bool = True, schedules: tuple[str, ...] = SEARCHED_SCHEDULES) -> list[Layout]:
     """Every layout of the search space that :meth:`Layout.validate` accepts. The space: dp·tp·pp·cp = world;
     microbatches 1, 2, 4, … and B/dp (b = 1); ZeRO 0-3 and, for ZeRO-3, hybrid groups of 2, 4, … ranks;
-    ring and Ulysses, with and without sp; with experts every ep that divides dp; with pp ≥ 2 each of
+    ring and Ulysses, with and without sp; with experts every ep that divides dp·cp; with pp ≥ 2 each of
     ``schedules`` (interleaved: 2 chunks per rank); ``recompute`` True for every mode, a tuple for those modes,
     False for none. ``context=False`` leaves out context and sequence parallelism."""
     modes = recompute if isinstance(recompute, tuple) else RECOMPUTE if recompute else ("none",)
@@ -330,7 +330,7 @@ def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool | t
                     continue
                 counts = sorted({2**k for k in range(20) if 2**k <= batch_size // dp} | {batch_size // dp})
                 counts = [m for m in counts if (batch_size // dp) % m == 0]
-                experts = [ep for ep in divisors(dp)] if cfg.n_expert else [1]
+                experts = divisors(dp * cp) if cfg.n_expert else [1]  # ep is carved out of the dp·cp replicas
                 kinds = ("ring", "ulysses") if cp > 1 else ("ring",)
                 for kind, sp in itertools.product(kinds, (False, True) if context else (False,)):
                     for zero in range(4):
