@@ -419,6 +419,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             if stop:
                 saved_to = f"; checkpoint saved to {saved} (resume with --resume {args.save})" if args.save else ""
                 progress.note(f"interrupted at step {step + 1} ({signal.Signals(stop).name}){saved_to}")
+                world.barrier()  # no rank exits before rank 0 has said so: mpiexec kills the rest at the first exit
                 raise Interrupted(stop, f"interrupted at step {step + 1}")
         if local_sgd:
             local_sgd.finish()  # the outstanding rounds: every replica ends equal
