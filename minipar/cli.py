@@ -60,7 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--microbatches", type=int, default=1, help="gradient-accumulation steps per optimizer step")
     run.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     run.add_argument("--min-lr", type=float, help="learning rate at the end of the cosine decay (default: --lr/10)")
-    run.add_argument("--warmup", type=int, default=30, help="linear warm-up steps")
+    run.add_argument("--warmup", type=int, help="linear warm-up steps (default: 30, or the whole schedule when "
+                                                "--decay-steps is shorter)")
+    run.add_argument("--decay-steps", type=int,
+                     help="the learning-rate schedule's length (warm-up + cosine decay; default: --steps), as "
+                          "Megatron's --lr-decay-iters: give the final --steps on the first leg of a run that "
+                          "--resume will continue, so that both legs follow one schedule; past it the rate is --min-lr")
     run.add_argument("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (matrices only)")
     run.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     run.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="parameters and activations")
@@ -233,6 +238,12 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.min_lr is None:  # a tenth of the peak, whatever the peak (2e-4 for the default 2e-3)
         args.min_lr = args.lr / 10
+    if args.decay_steps is None:
+        args.decay_steps = args.steps
+    if args.decay_steps <= 0:
+        raise ValueError(f"--decay-steps must be positive, got {args.decay_steps}")
+    if args.warmup is None:
+        args.warmup = min(30, args.decay_steps)
     for name in ("lr", "min_lr", "warmup", "grad_clip", "weight_decay", "eval_interval", "save_interval", "keep_last",
                  "comm_timeout"):
         if getattr(args, name) < 0:
@@ -242,6 +253,10 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
         raise ValueError(f"--min-lr {args.min_lr:g} is above --lr {args.lr:g}: the cosine schedule would raise the rate")
     if args.loss_scale <= 0:
         raise ValueError(f"--loss-scale must be positive, got {args.loss_scale:g}")
+    if args.warmup > args.decay_steps:
+        raise ValueError(f"--warmup {args.warmup} is longer than the schedule ({args.decay_steps} steps, "
+                         f"{'--decay-steps' if 'decay_steps' in explicit else '--steps'}): the rate would never reach "
+                         "--lr; shorten --warmup, or give a run that --resume will continue --decay-steps")
     for name, (needs, has) in FLAG_NEEDS.items():
         if name in explicit and not has(args):
             raise ValueError(f"--{name.replace('_', '-')} has no effect here: it needs {needs}")

@@ -77,13 +77,26 @@ def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoin
                            master=moments[2])
 
 
+def lr_schedule(args: argparse.Namespace) -> dict[str, float]:
+    """What decides the learning rate of every step: a checkpoint keeps it, a resumed run that differs says so."""
+    return {"lr": args.lr, "min_lr": args.min_lr, "warmup": args.warmup, "decay_steps": args.decay_steps}
+
+
 def restore_training_state(resumed: Checkpoint, layout: Layout, world: Communicator, model: GPT, engine: Any,
-                           optimizer: Any, scaler: LossScaler | None, local_sgd: LocalSGD | None, progress: Any) -> None:
+                           optimizer: Any, scaler: LossScaler | None, local_sgd: LocalSGD | None, progress: Any,
+                           schedule: dict[str, float]) -> None:
     """The loss scaler's state, and each rank's own state when the layout is the one it was saved in (a
     compressor's error feedback belongs to its rank's buckets, local SGD's replica to its rank); in another
-    layout that starts afresh, said once."""
+    layout that starts afresh, said once. A ``schedule`` (this run's learning rates) other than the saved one
+    is said too."""
     if scaler and "loss_scale" in resumed.training:
         scaler.load_state(resumed.training)
+    saved = {name: resumed.training[name] for name in schedule if name in resumed.training}
+    if saved and saved != schedule:
+        progress.note(f"{resumed.path} was trained on another learning-rate schedule: "
+                      + ", ".join(f"--{n.replace('_', '-')} {saved[n]:g} there, {v:g} here"
+                                  for n, v in schedule.items() if saved.get(n) != v)
+                      + f" (the rate changes from step {resumed.step + 1})")
     if resumed.rank_files:
         if resumed.layout == layout and len(resumed.rank_files) == world.size:
             own = resumed.rank_state(world.rank)
@@ -112,7 +125,7 @@ def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any,
         state = {kind: gather_expert_state(tensors, mesh.ep_comm, experts) for kind, tensors in state.items()}
     state = state if mesh.grad_comm.rank == 0 else None
     saved = save_checkpoint(args.save, step, state, mesh, model.config, layout, optimizer.step_count,
-                            training=scaler.state() if scaler else None, rank_state=own)
+                            training={**lr_schedule(args), **(scaler.state() if scaler else {})}, rank_state=own)
     if mesh.world.rank == 0:
         prune_checkpoints(args.save, args.keep_last)
     return saved
@@ -342,7 +355,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         for skipped in resumed.skipped:
             progress.note(f"skipped damaged checkpoint {skipped}")
         progress.note(f"resumed from {resumed.path} (step {resumed.step}, saved as {resumed.layout})")
-        restore_training_state(resumed, layout, world, model, engine, optimizer, scaler, local_sgd, progress)
+        restore_training_state(resumed, layout, world, model, engine, optimizer, scaler, local_sgd, progress,
+                               lr_schedule(args))
     if data_note:
         progress.note(data_note)
 
@@ -371,7 +385,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             with trace.span("optimizer", "optimizer"):
                 optimizer.grad_scale = 1.0 / scaler.scale if scaler else 1.0
                 norm = optimizer.clip_grad_norm(args.grad_clip, split_sum)  # of the unscaled gradients
-                optimizer.lr = cosine_lr(step, max_lr=args.lr, warmup_steps=args.warmup, total_steps=args.steps,
+                optimizer.lr = cosine_lr(step, max_lr=args.lr, warmup_steps=args.warmup, total_steps=args.decay_steps,
                                          min_lr=args.min_lr)
                 overflow = scaler is not None and not math.isfinite(float(norm))
                 if scaler:

@@ -17,7 +17,7 @@ from minipar.models.gpt import GPT
 from minipar.testing import RANK_ENV, mpiexec, run_command
 
 MODEL = ["--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
-         "--eval-interval", "0", "--json", "--lr", "3e-3", "--warmup", "5", "--dtype", "float64"]
+         "--eval-interval", "0", "--json", "--lr", "3e-3", "--warmup", "2", "--dtype", "float64"]
 
 
 def launch(ranks, args):
@@ -173,7 +173,7 @@ def test_step_directories_are_found_by_number(tmp_path):
 def test_one_process_saves_a_complete_checkpoint_and_resumes_it_bit_for_bit(tmp_path):
     """One rank writes every shard, the manifest and `latest` itself; 4 steps equal 2 + 2 resumed, to the bit."""
     whole = train(1, ["--steps", "4"])
-    train(1, ["--steps", "2", "--save", str(tmp_path / "ckpt")])
+    train(1, ["--steps", "2", "--decay-steps", "4", "--save", str(tmp_path / "ckpt")])
     assert os.path.isfile(tmp_path / "ckpt" / "step_000002" / "manifest.json")
     assert open(tmp_path / "ckpt" / "latest").read().strip() == "step_000002"
     resumed = train(1, ["--steps", "4", "--resume", str(tmp_path / "ckpt")])
@@ -187,7 +187,7 @@ def test_a_checkpoint_from_before_the_layout_record_still_loads(tmp_path):
     from minipar.parallel.layout import Layout
 
     whole = train(1, ["--steps", "4"])
-    train(1, ["--steps", "2", "--save", str(tmp_path / "ckpt")])
+    train(1, ["--steps", "2", "--decay-steps", "4", "--save", str(tmp_path / "ckpt")])
     manifest_path = tmp_path / "ckpt" / "step_000002" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["layout"] = {"dp": 1, "ep": 1, "cp": 1, "tp": 1, "pp": 1, "zero": 0}  # the old record
@@ -225,7 +225,7 @@ def test_resume_restores_every_state_bit_for_bit(tmp_path, ranks, extra):
     which differ per rank (each rank writes its own file). The casting compressors hold no state."""
     whole = train(ranks, ["--steps", "12", *extra])
     save = tmp_path / "ckpt"
-    train(ranks, ["--steps", "6", "--save", str(save), *extra])
+    train(ranks, ["--steps", "6", "--decay-steps", "12", "--save", str(save), *extra])
     resumed = train(ranks, ["--steps", "12", "--resume", str(save), *extra])
     assert resumed == {step: whole[step] for step in range(7, 13)}
     ckpt = load_checkpoint(str(save))

@@ -64,6 +64,9 @@ def test_text_progress_line():
     (["train", "--lr=-1e-3"], "--lr must be >= 0, got -0.001"),
     (["train", "--min-lr", "-1"], "--min-lr must be >= 0"),
     (["train", "--warmup", "-5"], "--warmup must be >= 0"),
+    (["train", "--steps", "12", "--warmup", "20"], "--warmup 20 is longer than the schedule (12 steps, --steps)"),
+    (["train", "--steps", "12", "--decay-steps", "0"], "--decay-steps must be positive, got 0"),
+    (["train", "--steps", "6", "--decay-steps", "12", "--warmup", "13"], "(12 steps, --decay-steps)"),
     (["train", "--grad-clip", "-1"], "--grad-clip must be >= 0"),
     (["train", "--weight-decay", "-0.1"], "--weight-decay must be >= 0"),
     (["train", "--eval-interval", "-1"], "--eval-interval must be >= 0"),
@@ -173,6 +176,28 @@ def test_resume_refuses_model_flags_that_disagree(tmp_path):
     assert out.returncode == 2 and "--n-embd 32 disagrees with the checkpoint" in out.stderr and "n_embd=16" in out.stderr
     again = run_cli("train", *TINY, "--steps", "3", "--resume", save, "--eval-interval", "0")  # the same flags: fine
     assert again.returncode == 0, again.stderr
+
+
+def test_a_resumed_run_follows_the_schedule_of_decay_steps(tmp_path):
+    """--decay-steps is the schedule's length (default --steps): a first leg given the final length resumes into
+    the same rates bit for bit; a first leg without it was trained on another schedule, and the resumed run says
+    so. The warm-up defaults to 30 steps, or the whole schedule when that is shorter."""
+    def losses(*args):
+        out = run_cli("train", *TINY, "--eval-interval", "0", "--json", *args)
+        assert out.returncode == 0, out.stderr
+        return {r["step"]: (r["loss"], r["lr"]) for r in map(json.loads, out.stdout.splitlines())}, out.stderr
+
+    whole, _ = losses("--steps", "8")
+    assert whole[8][1] == 2e-3 and whole[4][1] == 2e-3 * 4 / 8  # warm-up over the whole 8-step schedule
+    losses("--steps", "4", "--decay-steps", "8", "--save", str(tmp_path / "a"))
+    resumed, note = losses("--steps", "8", "--resume", str(tmp_path / "a"))
+    assert resumed == {s: whole[s] for s in range(5, 9)} and "another learning-rate schedule" not in note
+    losses("--steps", "4", "--save", str(tmp_path / "b"))
+    _, note = losses("--steps", "8", "--resume", str(tmp_path / "b"))
+    assert ("was trained on another learning-rate schedule: --warmup 4 there, 8 here, --decay-steps 4 there, 8 here "
+            "(the rate changes from step 5)") in note
+    longer, _ = losses("--steps", "40")
+    assert longer[30][1] == 2e-3 and longer[29][1] == 2e-3 * 29 / 30  # 30 warm-up steps by default
 
 
 def test_keep_last_and_generate_from_a_save_directory(tmp_path):

@@ -64,7 +64,7 @@ def test_model_state_memory_drops_with_zero_stage(tmp_path):
     p = 4
     states = {}
     for zero in (0, 1, 2, 3):
-        records, params = train(tmp_path, f"mem{zero}", ranks=p, extra=["--zero", str(zero), "--steps", "2"],
+        records, params = train(tmp_path, f"mem{zero}", ranks=p, extra=["--zero", str(zero), "--steps", "2", "--warmup", "2"],
                                 dtype="float32")
         states[zero] = records[-1]["model_state_bytes"]
     psi = sum(a.size for a in params.values())

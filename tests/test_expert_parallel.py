@@ -257,7 +257,7 @@ def _expert_shard_groups():
 
 def test_progress_line_reports_drops_and_expert_load():
     command = [sys.executable, "-m", "minipar", "train", *[a for a in model(0.5) if a != "--json"], "--steps", "2",
-               "--ep", "2"]
+               "--warmup", "2", "--ep", "2"]
     out = run_command(2, command, timeout=60)
     assert "| dropped " in out and "expert load " in out and "| ep " in out and "dp2·tp1·pp1·ep2 zero0 m1" in out
 

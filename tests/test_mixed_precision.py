@@ -161,7 +161,7 @@ def test_resume_keeps_the_float32_masters(tmp_path, ranks, layout):
     differ from step 4 on."""
     run = [*TINY, "--steps", "6", "--precision", "bf16-mixed", *layout]
     whole, _ = train_cli([*run, "--save", str(tmp_path / "a")], ranks)
-    train_cli([*run, "--steps", "3", "--save", str(tmp_path / "b")], ranks)
+    train_cli([*run, "--steps", "3", "--decay-steps", "6", "--save", str(tmp_path / "b")], ranks)
     resumed, _ = train_cli([*run, "--resume", str(tmp_path / "b"), "--save", str(tmp_path / "b")], ranks)
     assert [r["loss"] for r in resumed] == [r["loss"] for r in whole[3:]]
     a, b = (load_checkpoint(str(tmp_path / d)).params for d in ("a", "b"))

@@ -46,8 +46,8 @@ def test_matches_single_process(tmp_path, single, layout):
 
 
 def test_layer_norm_activations_shrink_by_tp(tmp_path):
-    tp_only = train_cli([*model(), "--tp", "3", "--steps", "2"], 3, None)[0]
-    with_sp = train_cli([*model(), "--tp", "3", "--steps", "2", "--sp"], 3, None)[0]
+    tp_only = train_cli([*model(), "--tp", "3", "--steps", "2", "--warmup", "2"], 3, None)[0]
+    with_sp = train_cli([*model(), "--tp", "3", "--steps", "2", "--warmup", "2", "--sp"], 3, None)[0]
     full = B * T * 24 * 8 * (2 * L + 1)  # ln_1, ln_2 per layer and ln_f, each (B, T, C) float64
     assert tp_only[0]["activation_bytes"]["layer_norm"] == full
     assert with_sp[0]["activation_bytes"]["layer_norm"] == full // 3
