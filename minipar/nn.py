@@ -137,6 +137,10 @@ class Linear(Module):
 
 
 class LayerNorm(Module):
+    # how forward uses each parameter: as it is, or — sequence parallelism — through an op that sums the
+    # gradients the ranks' sequence shards give it (parallel/tensor_parallel.py)
+    param_use: Callable[[Parameter], Tensor] = staticmethod(lambda p: p)
+
     def __init__(self, n: int, eps: float = 1e-5, dtype: str = "float32"):
         dt = resolve_dtype(dtype)
         self.weight = Parameter(xp.ones(n, dtype=dt))
@@ -144,7 +148,18 @@ class LayerNorm(Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return ops.layer_norm(x, self.weight, self.bias, self.eps)
+        return ops.layer_norm(x, self.param_use(self.weight), self.param_use(self.bias), self.eps)
+
+
+class RMSNorm(LayerNorm):
+    """Llama's norm: x / √(mean(x²) + ε) ⊙ w — no mean subtracted, no bias."""
+
+    def __init__(self, n: int, eps: float = 1e-6, dtype: str = "float32"):
+        self.weight = Parameter(xp.ones(n, dtype=resolve_dtype(dtype)))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return ops.rms_norm(x, self.param_use(self.weight), self.eps)
 
 
 class Embedding(Module):

@@ -437,6 +437,91 @@ class GELU(Function):
         return slope
 
 
+class RMSNorm(Function):
+    """y = x̂ ⊙ w,  x̂ = x / ρ,  ρ = √(mean(x²) + ε) over the last axis (Zhang & Sennrich 2019; Llama).
+
+    Backward (N = last-axis size, ĝ = g ⊙ w):  dx = (1/ρ) (ĝ − x̂ ⊙ mean(ĝ ⊙ x̂)),  dw = Σ_rows g ⊙ x̂.
+    """
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, w: Any, eps: float = 1e-6) -> Any:
+        rrms = (x * x).mean(axis=-1, keepdims=True)
+        rrms += eps
+        xp.sqrt(rrms, out=rrms)
+        xp.reciprocal(rrms, out=rrms)
+        xhat = x * rrms
+        ctx.save_for_backward(xhat, rrms)
+        return xhat * w
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        (xhat, rrms), w = ctx.saved, ctx.input(1)
+        n = xhat.shape[-1]
+        gw = (g.reshape(-1, n) * xhat.reshape(-1, n)).sum(axis=0) if ctx.needs_input_grad[1] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            ghat = g * w
+            gx = xhat * (ghat * xhat).mean(axis=-1, keepdims=True)
+            xp.subtract(ghat, gx, out=gx)
+            gx *= rrms
+        return gx, gw, None
+
+
+class SwiGLU(Function):
+    """y = silu(a) ⊙ b of the packed (…, 2I) input [a | b] (Shazeer 2020; Llama's MLP: a = x W_gate, b = x W_up),
+    silu(a) = a·σ(a).  da = g ⊙ b ⊙ σ(a)(1 + a(1 − σ(a))),  db = g ⊙ silu(a)."""
+
+    @staticmethod
+    def forward(ctx: Context, h: Any) -> Any:
+        a, b = xp.split(h, 2, axis=-1)
+        sig = xp.negative(a)
+        xp.exp(sig, out=sig)
+        sig += 1.0
+        xp.reciprocal(sig, out=sig)
+        silu = a * sig
+        ctx.save_for_backward(a, b, sig, silu)
+        return silu * b
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> Any:
+        a, b, sig, silu = ctx.saved
+        slope = 1.0 - sig  # σ(a)(1 + a(1 − σ(a)))
+        slope *= a
+        slope += 1.0
+        slope *= sig
+        slope *= b
+        slope *= g
+        return xp.concatenate([slope, g * silu], axis=-1)
+
+
+def rope_tables(positions: Any, head_dim: int, theta: float, dtype: Any) -> tuple[Any, Any]:
+    """(cos, sin), each (T, head_dim), of rotary position embeddings at ``positions`` (Su et al. 2021, in
+    Hugging Face's half-split layout): frequency i of D/2 is θ^(−2i/D), and both halves of a head share them."""
+    inv_freq = 1.0 / theta ** (xp.arange(0, head_dim, 2, dtype=xp.float64) / head_dim)
+    angles = xp.asarray(positions, dtype=xp.float64)[:, None] * inv_freq[None, :]
+    angles = xp.concatenate([angles, angles], axis=-1)
+    return xp.cos(angles).astype(dtype), xp.sin(angles).astype(dtype)
+
+
+class Rope(Function):
+    """Rotary position embedding of x (B, T, heads, D): y = x ⊙ cos + rotate(x) ⊙ sin, rotate([x₁ | x₂]) =
+    [−x₂ | x₁] (the two halves of each head are the rotated pairs). A rotation per pair, so its backward is the
+    inverse rotation: dx = g ⊙ cos + rotateᵀ(g ⊙ sin), rotateᵀ([u₁ | u₂]) = [u₂ | −u₁]."""
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, cos: Any, sin: Any) -> Any:
+        ctx.tables = cos[:, None, :], sin[:, None, :]
+        cos, sin = ctx.tables
+        x1, x2 = xp.split(x, 2, axis=-1)
+        return x * cos + xp.concatenate([-x2, x1], axis=-1) * sin
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        cos, sin = ctx.tables
+        u1, u2 = xp.split(g * sin, 2, axis=-1)
+        return g * cos + xp.concatenate([u2, -u1], axis=-1), None, None
+
+
 class Embedding(Function):
     """y[i] = W[idx[i]];  dW[v] = Σ_{i: idx[i] = v} g[i]  (a scatter-add)."""
 
@@ -671,6 +756,9 @@ def linear(x, w, b=None, transposed: bool = False) -> Tensor: return Linear.appl
 def softmax(x, axis: int = -1) -> Tensor: return Softmax.apply(x, axis)
 def layer_norm(x, w, b, eps: float = 1e-5) -> Tensor: return LayerNorm.apply(x, w, b, eps)
 def gelu(x) -> Tensor: return GELU.apply(x)
+def rms_norm(x, w, eps: float = 1e-6) -> Tensor: return RMSNorm.apply(x, w, eps)
+def swiglu(h) -> Tensor: return SwiGLU.apply(h)
+def rope(x, cos, sin) -> Tensor: return Rope.apply(x, cos, sin)
 def embedding(idx, w) -> Tensor: return Embedding.apply(idx, w)
 def cross_entropy(logits, targets, ignore_index: int = -100) -> Tensor: return CrossEntropy.apply(logits, targets, ignore_index)
 def causal_self_attention(qkv, n_head: int, scale: float | None = None, recompute: bool = False) -> Tensor:
