@@ -24,21 +24,21 @@ AGREE_SECONDS = 3.0
 def generate(args: argparse.Namespace) -> None:
     from minipar.backend import set_device
     from minipar.data import tokenizer_for
-    from minipar.models.gpt import GPT
+    from minipar.models import build_model, from_hf
 
     set_device(args.device)
     source = args.ckpt  # where the tokenizer files are: the HF directory, or the training checkpoint's step
     if os.path.isfile(os.path.join(args.ckpt, "config.json")):
-        model = GPT.from_hf(args.ckpt)
+        model = from_hf(args.ckpt)
     else:  # a training checkpoint (train --save): its newest complete step, merged from any layout
         from minipar.checkpoint import load_checkpoint
 
         try:
             loaded = load_checkpoint(args.ckpt)
         except FileNotFoundError:
-            raise FileNotFoundError(f"{args.ckpt}: no config.json (a Hugging Face GPT-2 directory) and no training "
+            raise FileNotFoundError(f"{args.ckpt}: no config.json (a Hugging Face directory) and no training "
                                     "checkpoint (a train --save directory)") from None
-        model = GPT(loaded.config)
+        model = build_model(loaded.config)
         model.load_state_dict(loaded.params)
         source = loaded.path
     tok = tokenizer_for(source, model.config.vocab_size)
@@ -80,17 +80,17 @@ def plot_command(args: argparse.Namespace) -> None:
 
 def export(args: argparse.Namespace) -> None:
     from minipar.checkpoint import load_checkpoint
-    from minipar.models.gpt import GPT
+    from minipar.models import build_model
 
     loaded = load_checkpoint(args.ckpt)
-    GPT(loaded.config).save_hf(args.out, loaded.params, tokenizer=loaded.path)  # its tokenizer files, or bytes
+    build_model(loaded.config).save_hf(args.out, loaded.params, tokenizer=loaded.path)  # its tokenizer files, or bytes
     print(f"exported step {loaded.step} ({loaded.layout}) to {args.out}/ (config.json, model.safetensors and the "
           "tokenizer files)")
 
 
 def plan_command(args: argparse.Namespace) -> None:
     from minipar.comm import Communicator
-    from minipar.models.gpt import GPTConfig
+    from minipar.models import config_from_dict
     from minipar.parallel import planner
 
     if args.calibrate:
@@ -112,11 +112,15 @@ def plan_command(args: argparse.Namespace) -> None:
         if getattr(args, name, 1) is not None and getattr(args, name, 1) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.preset:
-        L, H, C, T, V = planner.PRESETS[args.preset]
+        fields = dict(planner.PRESETS[args.preset])
     else:
-        L, H, C, T, V = args.n_layer, args.n_head, args.n_embd, args.block_size, 256
-    cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C, n_expert=args.n_expert,
-                    expert_top_k=min(args.expert_top_k, max(args.n_expert, 1)), capacity_factor=args.capacity_factor)
+        fields = dict(arch=args.arch, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                      block_size=args.block_size, vocab_size=256)
+        if args.arch == "llama":
+            fields.update(n_kv_head=args.n_kv_head or 0, n_inner=args.n_inner or 0)
+    cfg = config_from_dict({**fields, "n_expert": args.n_expert, "capacity_factor": args.capacity_factor,
+                            "expert_top_k": min(args.expert_top_k, max(args.n_expert, 1))})
+    L, H, C, T, V = cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size, cfg.vocab_size
     profile = plan_profile(args)
     if args.memory_gb:
         profile = dataclasses.replace(profile, memory=args.memory_gb * 1e9)
@@ -129,7 +133,8 @@ def plan_command(args: argparse.Namespace) -> None:
             raise ValueError(f"no feasible-or-not layout matches {args.layout}")
     flops = lambda layout: planner.megatron_flops(cfg, args.batch_size, layout.recompute == "full")  # noqa: E731
     experts = f" E={cfg.n_expert} top-{cfg.expert_top_k}" if cfg.n_expert else ""
-    print(f"GPT L={L} H={H} C={C} T={T} V={V}{experts} ({cfg.num_parameters() / 1e6:,.1f} M params), "
+    kv = f" K={cfg.kv_heads}" if cfg.kv_heads != H else ""
+    print(f"{cfg.display_name} L={L} H={H}{kv} C={C} T={T} V={V}{experts} ({cfg.num_parameters() / 1e6:,.1f} M params), "
           f"batch {args.batch_size}, {args.dtype}, {args.world} × {profile.name} ({profile.memory / 1e9:.0f} GB)")
     print(planner.format_plan(predictions, args.top, flops))
 
@@ -186,9 +191,13 @@ def build_parser() -> argparse.ArgumentParser:
                              description="Predict step time and memory of every dp·tp·pp·zero·microbatch layout "
                                          "from a hardware profile, and rank them (minipar/parallel/planner.py).")
     pl.add_argument("--world", type=int, default=4, help="number of devices (ranks)")
-    pl.add_argument("--preset", choices=["gpt2-124m", "gpt3-175b"], help="a known model instead of the --n-* flags")
+    pl.add_argument("--preset", choices=["gpt2-124m", "gpt3-175b", "llama3-8b"],
+                    help="a known model instead of the --arch/--n-* flags")
+    pl.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2", help="the architecture (as train's)")
     pl.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
     pl.add_argument("--n-head", type=int, default=4, help="attention heads")
+    pl.add_argument("--n-kv-head", type=int, help="llama: key/value heads (default: --n-head)")
+    pl.add_argument("--n-inner", type=int, help="llama: the SwiGLU width (default: Meta's rule)")
     pl.add_argument("--n-embd", type=int, default=128, help="model width")
     pl.add_argument("--block-size", type=int, default=128, help="context length")
     pl.add_argument("--n-expert", type=int, default=0, help="mixture of experts per MLP (0: dense)")

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from minipar.models.gpt import GPTConfig
+from minipar.models import config_from_dict
 from minipar.parallel.layout import Layout
 from minipar.parallel.tensor_parallel import merge_state_dicts
 from minipar.safetensors_io import atomic_write, decode_safetensors, encode_safetensors
@@ -189,7 +189,7 @@ def _load_step(step_dir: str) -> Checkpoint:
             manifest = json.load(f)
         if manifest.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"not a {CHECKPOINT_FORMAT} checkpoint (format {manifest.get('format')!r})")
-        config = GPTConfig(**manifest["config"])
+        config = config_from_dict(manifest["config"])
         # checkpoints before the Layout record stored only dp, ep, cp, tp, pp and zero: the rest take defaults
         layout = Layout(**{k: v for k, v in manifest["layout"].items() if k in Layout.__dataclass_fields__})
         step, optimizer_step, entries = int(manifest["step"]), int(manifest["optimizer_step"]), manifest["files"]

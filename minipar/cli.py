@@ -20,7 +20,9 @@ from typing import Any
 from minipar.backend import KERNEL_MODES, memory_available
 from minipar.checkpoint import Checkpoint
 from minipar.comm import Communicator
-from minipar.models.gpt import RECOMPUTE, GPTConfig, hf_config
+from minipar.models import config_from_hf
+from minipar.models.gpt import RECOMPUTE, GPTConfig
+from minipar.models.llama import LlamaConfig
 from minipar.parallel import planner
 from minipar.parallel.compression import COMPRESSIONS, make_compressor
 from minipar.parallel.context_parallel import KINDS as CP_KINDS
@@ -42,11 +44,19 @@ class HelpWithDefaults(argparse.HelpFormatter):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model")
+    model.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2",
+                       help="gpt2: learned positions, LayerNorm, GELU MLP, tied head; llama: RoPE, RMSNorm, SwiGLU, "
+                            "grouped-query attention, no biases, untied head (models/llama.py)")
     model.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
     model.add_argument("--n-head", type=int, default=4, help="attention heads")
+    model.add_argument("--n-kv-head", type=int, help="llama: key/value heads, a divisor of --n-head (default: --n-head)")
+    model.add_argument("--n-inner", type=int, help="llama: the SwiGLU width (default: Meta's rule, 8·C/3 rounded up "
+                                                   "to a multiple of 256)")
+    model.add_argument("--rope-theta", type=float, default=10000.0, help="llama: the RoPE base θ")
+    model.add_argument("--tie-embeddings", action="store_true", help="llama: the head shares the token embedding")
     model.add_argument("--n-embd", type=int, default=128, help="model width C")
     model.add_argument("--block-size", type=int, default=128, help="context length T")
-    model.add_argument("--init-from", metavar="DIR", help="start from a Hugging Face GPT-2 checkpoint directory")
+    model.add_argument("--init-from", metavar="DIR", help="start from a Hugging Face GPT-2 or Llama checkpoint directory")
     model.add_argument("--n-expert", type=int, default=0,
                        help="mixture of experts: every MLP becomes this many experts behind a router (0: dense GPT-2)")
     model.add_argument("--expert-top-k", type=int, default=2, help="experts per token (1: Switch gate, >1: renormalized)")
@@ -201,14 +211,19 @@ def model_config(args: argparse.Namespace, resumed: Checkpoint | None = None) ->
     if resumed is not None:
         return dataclasses.replace(resumed.config, dtype=model_dtype(args))
     if args.init_from:
-        return hf_config(args.init_from, dtype=model_dtype(args))
-    return GPTConfig(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
-                     n_embd=args.n_embd, dtype=model_dtype(args), n_expert=args.n_expert, expert_top_k=args.expert_top_k,
-                     capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef)
+        return config_from_hf(args.init_from, dtype=model_dtype(args))
+    shared = dict(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                  n_embd=args.n_embd, dtype=model_dtype(args), n_expert=args.n_expert, expert_top_k=args.expert_top_k,
+                  capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef)
+    if args.arch == "llama":
+        return LlamaConfig(**shared, n_kv_head=args.n_kv_head or 0, n_inner=args.n_inner or 0,
+                           rope_theta=args.rope_theta, tie_word_embeddings=args.tie_embeddings)
+    return GPTConfig(**shared)
 
 
-MODEL_FLAGS = ("n_layer", "n_head", "n_embd", "block_size", "n_expert", "expert_top_k", "capacity_factor",
-               "aux_loss_coef")
+MODEL_FLAGS = ("arch", "n_layer", "n_head", "n_embd", "block_size", "n_expert", "expert_top_k", "capacity_factor",
+               "aux_loss_coef", "n_kv_head", "n_inner", "rope_theta", "tie_embeddings")
+FLAG_FIELDS = {"n_kv_head": "kv_heads", "n_inner": "mlp_width", "tie_embeddings": "tie_word_embeddings"}
 
 
 # flags that only mean something in some mode: written without it, they are refused (name: (the mode, whether on))
@@ -226,6 +241,8 @@ FLAG_NEEDS: dict[str, tuple[str, Any]] = {
     "cp_split": ("--cp 2 or more", lambda a: a.cp > 1),
     "no_prefetch": ("--zero 3", lambda a: a.zero == 3),
     "save_interval": ("--save", lambda a: bool(a.save)),
+    **{name: ("--arch llama", lambda a: a.arch == "llama" or bool(a.resume))
+       for name in ("n_kv_head", "n_inner", "rope_theta", "tie_embeddings")},
 }
 
 
@@ -272,9 +289,11 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
         if resumed.step >= args.steps:
             raise ValueError(f"{resumed.path} is at step {resumed.step}; --steps {args.steps} leaves nothing to train")
         for name in MODEL_FLAGS:
-            if name in getattr(args, "explicit", ()) and getattr(args, name) != getattr(resumed.config, name):
+            field = FLAG_FIELDS.get(name, name)  # the config's value in effect (a default resolved)
+            saved = getattr(resumed.config, field, None)
+            if name in getattr(args, "explicit", ()) and getattr(args, name) != saved:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(args, name)} disagrees with the checkpoint "
-                                 f"{resumed.path} ({name}={getattr(resumed.config, name)}): drop the flag to resume, "
+                                 f"{resumed.path} ({field}={saved}): drop the flag to resume, "
                                  "or start a new run without --resume")
     if args.n_expert < 0 or (args.n_expert and not 1 <= args.expert_top_k <= args.n_expert):
         raise ValueError(f"--expert-top-k {args.expert_top_k} must be between 1 and --n-expert {args.n_expert}"
@@ -283,7 +302,7 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
         raise ValueError(f"--precision {args.precision} stores the model in 16 bits with float32 masters: "
                          f"drop --dtype {args.dtype} (it sets the pure modes)")
     if args.init_from and args.n_expert and resumed is None:
-        raise ValueError("--init-from loads a dense Hugging Face GPT-2: it cannot be combined with --n-expert")
+        raise ValueError("--init-from loads a dense Hugging Face model: it cannot be combined with --n-expert")
     cfg = model_config(args, resumed)
     if cfg.n_expert and args.out:
         raise ValueError("--out writes Hugging Face GPT-2, which has no mixture-of-experts layout: use --save")

@@ -33,6 +33,7 @@ from minipar.checkpoint import Checkpoint, load_checkpoint, prune_checkpoints, s
 from minipar.cli import Progress, check_ranks_agree, choose_layout, validate
 from minipar.comm import Communicator, start_watchdog
 from minipar.data import Batches, load_tokens, save_tokenizer, shard_rows, split_tokens, tokenizer_for
+from minipar import models
 from minipar.models.gpt import GPT, GPTConfig
 from minipar.optim import AdamW, LossScaler, cosine_lr
 from minipar.parallel.compression import make_compressor
@@ -45,7 +46,7 @@ from minipar.parallel.layout import Layout
 from minipar.parallel.mesh import Mesh
 from minipar.parallel.pipeline import Pipeline, stage_state
 from minipar.nn import LayerNorm
-from minipar.parallel.tensor_parallel import (SequenceParallelLayerNorm, gather_tensor_parallel_state,
+from minipar.parallel.tensor_parallel import (gather_tensor_parallel_state,
                                               shard_state_dict, tensor_parallel)
 from minipar.parallel.zero import ZeRO
 
@@ -53,9 +54,9 @@ from minipar.parallel.zero import ZeRO
 def build_model(args: argparse.Namespace, cfg: GPTConfig, mesh: Mesh, resumed: Checkpoint | None) -> GPT:
     """The full model on every rank (same seed, HF checkpoint or training checkpoint), then this rank's tp slice."""
     if args.init_from and resumed is None:
-        model = GPT.from_hf(args.init_from, dtype=cfg.dtype)  # in the asked precision: 16 bits under mixed
+        model = models.from_hf(args.init_from, dtype=cfg.dtype)  # in the asked precision: 16 bits under mixed
     else:
-        model = GPT(cfg, seed=args.seed)
+        model = models.build_model(cfg, seed=args.seed)
         if resumed is not None:
             model.load_state_dict(resumed.params)
     if mesh.tp > 1:
@@ -164,7 +165,7 @@ def count_layer_norm_bytes(model: GPT) -> dict[str, int]:
         return out
 
     for module in model.modules():
-        if isinstance(module, (LayerNorm, SequenceParallelLayerNorm)):
+        if isinstance(module, LayerNorm):  # RMSNorm too
             module.register_forward_hook(count)
     return counter
 
@@ -348,7 +349,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     progress = Progress(args, lead, first_step)
     norm_bytes = count_layer_norm_bytes(model)
     experts = f" E={cfg.n_expert} top-{cfg.expert_top_k}" if cfg.n_expert else ""
-    progress.say(f"minipar: GPT {cfg.num_parameters():,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} "
+    progress.say(f"minipar: {cfg.display_name} {cfg.num_parameters():,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} "
                  f"T={block}{experts}), {len(tokens):,} tokens, batch {args.batch_size}×{block}, "
                  f"{args.dtype if args.precision == 'fp32' else args.precision} on {args.device}, {layout}")
     if resumed is not None:
@@ -444,9 +445,9 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.out:
             state = full_state_dict(engine, optimizer, model, mesh)
             if lead:  # the config says the dtype the weights are in (float32 masters under mixed precision)
-                GPT(dataclasses.replace(cfg, dtype=str(next(iter(state.values())).dtype))).save_hf(
+                models.build_model(dataclasses.replace(cfg, dtype=str(next(iter(state.values())).dtype))).save_hf(
                     args.out, state, tokenizer=tokenizer_dir)
-            progress.written.append(f"model: {args.out}/ (Hugging Face GPT-2; python -m minipar generate --ckpt "
+            progress.written.append(f"model: {args.out}/ (Hugging Face {cfg.display_name}; python -m minipar generate --ckpt "
                                     f"{args.out})")
         finished = True
     finally:

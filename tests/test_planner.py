@@ -67,8 +67,7 @@ def test_gpt3_175b_on_1024_a100s_megatrons_layout_is_near_the_best():
     1F1B) and Megatron-LM 2021's code (validation.py: no DP overlap, unfused attention, its fitted GEMM
     share), Megatron's layout — dp8·tp8·pp16, microbatches of one sequence — is predicted at its published
     138 TFLOP/s per GPU as 142 (docs/planner.md), and within 5% of the planner's best layout."""
-    L, H, C, T, V = planner.PRESETS["gpt3-175b"]
-    cfg = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C)
+    cfg = GPTConfig(**planner.PRESETS["gpt3-175b"])
     a100 = planner.BUILTIN_PROFILES["a100-80gb"]
     efficiency = validation.fit(a100, validation.PUBLISHED_RUNS)["Megatron-LM 2021"]
     megatron_2021 = dataclasses.replace(a100, **validation.MEGATRON, gemm_efficiency=efficiency)
@@ -247,3 +246,26 @@ def test_every_layout_the_planner_proposes_is_one_train_accepts(world):
             layout.validate(cfg, 24, world)
             args = parser.parse_args(["train", *layout.flags()])
             assert Layout.from_args(args, world) == layout, layout
+
+
+def test_the_llama3_8b_preset_has_the_published_parameter_count():
+    """meta-llama/Meta-Llama-3-8B's model.safetensors.index.json: "total_size": 16060522496 bytes of bfloat16."""
+    from minipar.models import config_from_dict
+
+    cfg = config_from_dict(planner.PRESETS["llama3-8b"])
+    assert cfg.num_parameters() == 16060522496 // 2 == 8_030_261_248
+    assert cfg.mlp_width == 14336 and cfg.kv_heads == 8
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_the_planners_parameters_per_rank_are_the_engines(arch, tp):
+    """The model states the planner charges a tp rank are what tensor_parallel's shard holds (counted from
+    shard_state_dict, the code that splits the model): GPT-2's and a grouped-query, untied Llama's."""
+    from minipar.models import build_model, config_from_dict
+    from minipar.parallel.tensor_parallel import shard_state_dict
+
+    extra = dict(arch="llama", n_kv_head=4, n_inner=40) if arch == "llama" else {}
+    cfg = config_from_dict(dict(vocab_size=50, block_size=16, n_layer=2, n_head=8, n_embd=32, **extra))
+    held = sum(v.size for v in shard_state_dict(build_model(cfg).state_dict(), cfg, tp, 0).values())
+    assert planner.local_parameter_groups(cfg, planner.Layout(1, tp, 1, 0, 1))[0][0] == held

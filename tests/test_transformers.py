@@ -107,3 +107,133 @@ def test_a_checkpoint_train_out_wrote(tmp_path):
     text = "def naïve(x):\n    return x  # café ✓ <|endoftext|>"
     assert tokenizer.encode(text) == list(text.encode("utf-8")) and tokenizer.decode(tokenizer.encode(text)) == text
     assert theirs.config.bos_token_id is None and theirs.config.eos_token_id is None  # the byte vocabulary has none
+
+
+# ------------------------------------------------------------------------------------------------- Llama
+
+LLAMA_CONFIGS = [dict(vocab_size=48, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=16, n_inner=24,
+                      rope_theta=500.0, layer_norm_epsilon=1e-5),
+                 dict(vocab_size=40, block_size=12, n_layer=3, n_head=4, n_kv_head=1, n_embd=16, n_inner=40,
+                      tie_word_embeddings=True)]
+
+
+def _float64_llama(monkeypatch):
+    """transformers computes RMSNorm, the RoPE angles and (eager) softmax in float32 even for a float64 model: the
+    reference runs those three steps in float64, so that the comparison can be at 1e-10."""
+    from transformers.models.llama import modeling_llama as llama
+
+    def rms_norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def rotary(self, x, position_ids):
+        D = 2 * self.inv_freq.numel()
+        inv_freq = 1.0 / self.config.rope_parameters["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+        freqs = position_ids[..., None].double() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    monkeypatch.setattr(llama.LlamaRMSNorm, "forward", rms_norm)
+    monkeypatch.setattr(llama.LlamaRotaryEmbedding, "forward", rotary)
+
+
+def _llama_pair(tmp_path, cfg, seed=0):
+    from minipar.models.llama import Llama, LlamaConfig
+
+    ours = Llama(LlamaConfig(**cfg, dtype="float64"), seed=seed)
+    ours.save_hf(str(tmp_path))
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float64,
+                                                           attn_implementation="sdpa").eval()  # sdpa: float64 softmax
+    return ours, theirs
+
+
+def _logits_loss_grads(ours, theirs, cfg, seed=1):
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, cfg["vocab_size"], (3, cfg["block_size"]))
+    targets = rng.integers(0, cfg["vocab_size"], (3, cfg["block_size"]))
+    logits, loss = ours(idx, targets)
+    loss.backward()
+    out = theirs(torch.tensor(idx))
+    reference = torch.nn.functional.cross_entropy(out.logits.reshape(-1, cfg["vocab_size"]),
+                                                  torch.tensor(targets).reshape(-1))
+    reference.backward()
+    grads = {name: p.grad.numpy() for name, p in theirs.named_parameters()}
+    return logits.data, loss.item(), out.logits.detach().numpy(), reference.item(), grads
+
+
+def _hf_grad(grads, name, cfg):
+    """transformers' gradient of minipar's parameter ``name`` (q|k|v and gate|up packed, matrices as (in, out))."""
+    H, K = cfg["n_head"], cfg.get("n_kv_head") or cfg["n_head"]
+    if name == "transformer.wte.weight":
+        return grads["model.embed_tokens.weight"]
+    if name == "lm_head.weight":
+        return grads["lm_head.weight"]
+    if name == "transformer.ln_f.weight":
+        return grads["model.norm.weight"]
+    i, rest = name.split(".")[2], ".".join(name.split(".")[3:])
+    p = f"model.layers.{i}."
+    return {"ln_1.weight": lambda: grads[p + "input_layernorm.weight"],
+            "ln_2.weight": lambda: grads[p + "post_attention_layernorm.weight"],
+            "attn.c_attn.weight": lambda: np.concatenate([grads[f"{p}self_attn.{n}_proj.weight"].T for n in "qkv"], 1),
+            "attn.c_proj.weight": lambda: grads[p + "self_attn.o_proj.weight"].T,
+            "mlp.c_fc.weight": lambda: np.concatenate([grads[f"{p}mlp.{n}_proj.weight"].T for n in ("gate", "up")], 1),
+            "mlp.c_proj.weight": lambda: grads[p + "mlp.down_proj.weight"].T}[rest]()
+
+
+@pytest.mark.parametrize("cfg", LLAMA_CONFIGS)
+def test_llama_logits_loss_and_every_gradient(tmp_path, monkeypatch, cfg):
+    """Grouped-query (K = 2, untied, θ = 500, ε = 1e-5) and multi-query (K = 1, tied) Llamas: within 1e-4 of
+    unmodified transformers (its float32 steps), within 1e-10 once those steps are float64 too."""
+    ours, theirs = _llama_pair(tmp_path, cfg)
+    logits, loss, ref_logits, ref_loss, _ = _logits_loss_grads(ours, theirs, cfg)
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=1e-4)
+    _float64_llama(monkeypatch)
+    ours, theirs = _llama_pair(tmp_path, cfg)
+    logits, loss, ref_logits, ref_loss, grads = _logits_loss_grads(ours, theirs, cfg)
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=1e-10)
+    assert abs(loss - ref_loss) <= 1e-10
+    for name, p in ours.named_parameters():
+        np.testing.assert_allclose(p.grad, _hf_grad(grads, name, cfg), rtol=0, atol=1e-10, err_msg=name)
+
+
+@pytest.mark.parametrize("mutation", ["rms_norm_eps", "interleaved rope", "kv grouping"])
+def test_the_llama_comparison_catches_each_misreading(tmp_path, monkeypatch, mutation):
+    """The comparison above fails for a misread rms_norm_eps, RoPE's interleaved layout instead of the half-split
+    one, and query head h using K/V head h mod K instead of h // (H/K)."""
+    from minipar import ops
+    from minipar.autograd import Tensor
+    from minipar.models.llama import RotaryAttention
+
+    cfg = LLAMA_CONFIGS[0]
+    _float64_llama(monkeypatch)
+    if mutation == "rms_norm_eps":
+        monkeypatch.setattr(ops, "rms_norm", lambda x, w, eps: ops.RMSNorm.apply(x, w, 1e-6))
+    elif mutation == "interleaved rope":
+        rope = ops.rope
+
+        def interleaved(x, cos, sin):  # pairs (2i, 2i+1) rotated by frequency i
+            perm = np.arange(x.shape[-1]).reshape(-1, 2).T.reshape(-1)  # the even dimensions, then the odd
+            return rope(x[..., perm], cos, sin)[..., np.argsort(perm)]
+        monkeypatch.setattr(ops, "rope", interleaved)
+    else:
+        def modulo(a: Tensor, H: int) -> Tensor:  # head h uses K/V head h mod K
+            B, T, K, D = a.shape
+            return (a.reshape(B, T, 1, K, D) * np.ones((1, 1, H // K, 1, 1))).reshape(B, T, H, D)
+        monkeypatch.setattr(RotaryAttention, "share_kv", staticmethod(modulo))
+    ours, theirs = _llama_pair(tmp_path, cfg)
+    logits, _, ref_logits, _, _ = _logits_loss_grads(ours, theirs, cfg)
+    assert np.abs(logits - ref_logits).max() > 1e-6  # the comparison at 1e-10 fails by orders of magnitude
+
+
+def test_a_llama_checkpoint_train_out_wrote(tmp_path, monkeypatch):
+    """`train --arch llama --out` (float64, untied, K = 2): LlamaForCausalLM loads it and computes minipar's logits."""
+    from minipar.models import from_hf
+
+    out = str(tmp_path / "hf")
+    train_cli(["--arch", "llama", "--n-layer", "2", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "16",
+               "--n-inner", "24", "--block-size", "16", "--batch-size", "4", "--steps", "3", "--dtype", "float64",
+               "--eval-interval", "0", "--json"], 1, out=out)
+    _float64_llama(monkeypatch)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float64, attn_implementation="sdpa").eval()
+    idx = np.random.default_rng(7).integers(0, 256, (2, 16))
+    np.testing.assert_allclose(from_hf(out)(idx)[0].data, theirs(torch.tensor(idx)).logits.detach().numpy(), rtol=0,
+                               atol=1e-10)

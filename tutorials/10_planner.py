@@ -23,8 +23,7 @@ best = ranked[0].layout
 assert best.tp == 1 and best.pp == 1, "a model this small fits on one GPU: pure data parallelism should win"
 print(f"   -> {best}: the whole model fits on each GPU, so splitting it only adds communication")
 
-L, H, C, T, V = planner.PRESETS["gpt3-175b"]
-gpt3 = GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C)
+gpt3 = GPTConfig(**planner.PRESETS["gpt3-175b"])
 # As in 2021: Megatron-LM's code (DP all-reduce after backward, unfused attention, its fitted GEMM share), no
 # ZeRO, cp or sp, full recomputation, 1F1B.
 efficiency = validation.fit(a100, validation.PUBLISHED_RUNS)["Megatron-LM 2021"]

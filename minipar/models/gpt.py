@@ -49,6 +49,7 @@ class GPTConfig:
     expert_top_k: int = 2
     capacity_factor: float = 1.25
     aux_loss_coef: float = 0.01
+    arch: str = "gpt2"  # "llama": models/llama.py's LlamaConfig (minipar.models.config_from_dict picks the class)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -65,6 +66,32 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
+
+    # the shapes the parallel engines split (a Llama config answers differently)
+    kv_heads = property(lambda self: self.n_head, doc="key/value heads (grouped-query attention: fewer than n_head)")
+    mlp_width = property(lambda self: 4 * self.n_embd, doc="the MLP's hidden width")
+    mlp_parts = 1  # c_fc's output: one block of mlp_width columns (Llama's: gate | up)
+    ties_embeddings = True  # the LM head is the token embedding's table
+    display_name = "GPT"
+
+    # what the planner's cost model needs of an architecture (parallel/planner.py)
+    def layer_weights(self) -> tuple[int, int]:
+        """(attention, dense MLP) weight-matrix parameters of one block: a token costs 2 FLOPs per weight."""
+        C = self.n_embd
+        return 4 * C * C, 8 * C * C
+
+    def tp_replicated_parameters(self, layers: int, final_norm: bool) -> int:
+        """Parameters every tp rank holds whole: per block the two layer norms and the two row-parallel biases
+        (6C), the position table, ln_f."""
+        return layers * 6 * self.n_embd + self.block_size * self.n_embd + (2 * self.n_embd if final_norm else 0)
+
+    vocab_tables = 1  # (V, C) tables split by vocabulary rows: the tied embedding
+
+    def activation_units(self) -> tuple[float, float]:
+        """Korthikanti et al.'s per-layer activations in units of s·b·h 16-bit values (sbh·(34 + 5as/h) in all):
+        (what every tp rank keeps whole — layer-norm inputs, the inputs of c_attn and c_fc, dropout masks —,
+        what tensor parallelism splits — q, k, v, the attention output, the MLP's 4h-wide activations)."""
+        return 10.0, 24.0
 
     def attention_scale(self, layer: int) -> float:
         """The factor on layer ``layer``'s attention scores, as Hugging Face's GPT-2 computes it."""
@@ -90,6 +117,10 @@ class CausalSelfAttention(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.c_proj(self.core(self.c_attn(x), self.n_head, self.scale))
+
+    def keep_heads(self, tp: int) -> None:
+        """Tensor parallelism: this rank computes 1/tp of the heads."""
+        self.n_head //= tp
 
     def recompute_scores(self) -> None:
         """Selective recomputation: the attention probabilities are computed again in backward, not kept."""
@@ -202,12 +233,13 @@ class GPT(Module):
 
     def head(self, x: Tensor, targets: Any = None, embedding: Any = None) -> tuple[Tensor, Tensor | None]:
         """Logits and loss from the last block's output; ``embedding`` is the tied table's module (default: the
-        token embedding; a pipeline whose head is not on the embedding's stage passes its mirror)."""
-        wte = embedding or self.transformer.wte
-        logits = wte.attend(self.transformer.ln_f(x))
+        token embedding — or an untied model's ``lm_head`` —; a pipeline whose head is not on the embedding's stage
+        passes its mirror)."""
+        table = embedding or (self.transformer.wte if self.config.ties_embeddings else self.lm_head)
+        logits = table.attend(self.transformer.ln_f(x))
         if targets is None:
             return logits, None
-        return logits, wte.cross_entropy(logits, targets)
+        return logits, table.cross_entropy(logits, targets)
 
     def balance_loss(self, blocks: Any) -> Tensor | None:
         """aux_loss_coef × the sum of the load-balancing losses of ``blocks``' MoE layers in their last forward
@@ -332,10 +364,10 @@ _HF_GENERIC = {"_name_or_path", "_num_labels", "num_labels", "id2label", "label2
                "suppress_tokens", "begin_suppress_tokens"}
 
 
-def _read_hf_config(directory: str) -> tuple[str, dict[str, Any]]:
+def read_hf_config(directory: str) -> tuple[str, dict[str, Any]]:
     path = os.path.join(directory, "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{directory}: no config.json (expected a Hugging Face GPT-2 checkpoint directory)")
+        raise FileNotFoundError(f"{directory}: no config.json (expected a Hugging Face checkpoint directory)")
     try:
         with open(path, encoding="utf-8") as f:
             return path, json.load(f)
@@ -344,7 +376,7 @@ def _read_hf_config(directory: str) -> tuple[str, dict[str, Any]]:
 
 
 def _hf_ties_embeddings(directory: str) -> bool:
-    return bool(_read_hf_config(directory)[1].get("tie_word_embeddings", True))
+    return bool(read_hf_config(directory)[1].get("tie_word_embeddings", True))
 
 
 def hf_config(directory: str, dtype: str | None = None) -> GPTConfig:
@@ -354,7 +386,7 @@ def hf_config(directory: str, dtype: str | None = None) -> GPTConfig:
     own safetensors headers: float64 stays float64, anything else loads as float32 (float16/bfloat16 weights
     are widened).
     """
-    path, hf = _read_hf_config(directory)
+    path, hf = read_hf_config(directory)
     for field, (accepted, why) in _HF_REQUIRED_VALUE.items():
         value = hf.get(field, accepted[0])
         if value not in accepted:

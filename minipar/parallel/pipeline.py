@@ -32,7 +32,8 @@ Data parallelism sees one backward per chunk and step under ``engine.no_sync()``
 B of that chunk, or its last W when split — so its hooks fire once, when a parameter's gradient over
 all microbatches is final, and the reduction of a chunk overlaps the rest of the pipeline.
 
-Tied embeddings. The head of the last stage reuses the first stage's token embedding. The rank with the
+Tied embeddings (GPT-2; a Llama with --tie-embeddings — an untied lm_head simply lives on the head's rank).
+The head of the last stage reuses the first stage's token embedding. The rank with the
 head keeps a mirror (not a parameter; a copy of the module when that rank holds the embedding too): at the
 start of each step the embedding's rank sends it the table, and when the head's gradients are final the
 head's rank sends the table's gradient back, which the embedding's rank adds in before the final backward
@@ -87,14 +88,16 @@ class Pipeline:
         numbers = [i for s in stages for i in stage_blocks(cfg.n_layer, self.n_stages, s)]
         t.h = ModuleList([t.h[i] for i in numbers], numbers=numbers)
         holds_embedding, holds_head = self.rank == self.embedding_rank, self.rank == self.head_rank
-        if not holds_embedding:
+        self.tied, self.head_embedding = p > 1 and cfg.ties_embeddings, None
+        if not holds_embedding and hasattr(t, "wpe"):  # learned positions (GPT-2)
             del t.wpe
         if not holds_head:
             del t.ln_f
-        if not (holds_embedding or holds_head):
+            if not cfg.ties_embeddings:  # an untied head (Llama's lm_head) lives on the last stage only
+                del model.lm_head
+        if not (holds_embedding or (holds_head and cfg.ties_embeddings)):
             del t.wte
-        self.tied, self.head_embedding = p > 1, None
-        self.table_shape = tuple(t.wte.weight.shape) if holds_embedding or holds_head else None  # (ZeRO-3 frees it)
+        self.table_shape = tuple(t.wte.weight.shape) if hasattr(t, "wte") else None  # (ZeRO-3 frees it)
         if self.tied and holds_head:  # a mirror of the token embedding (a copy where the rank holds the table too)
             self.head_embedding = copy.copy(t.wte) if holds_embedding else t.wte
             self.head_embedding.weight = Tensor(t.wte.weight.data)

@@ -178,7 +178,9 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
 
     attention_flops = 4 * b * T * T * C / (tp * cp)
     mlp_rows = expert_rows(cfg, t) if cfg.n_expert else t / tp  # a mixture-of-experts MLP is whole on every tp rank
-    layer_flops = (2 * t * 4 * C * C / tp + 2 * mlp_rows * 8 * C * C + attention_flops) * passes
+    attention_weights, mlp_weights = cfg.layer_weights()
+    mlp_weights = 8 * C * C if cfg.n_expert else mlp_weights  # each expert: a 4C GELU MLP (models/moe.py)
+    layer_flops = (2 * t * attention_weights / tp + 2 * mlp_rows * mlp_weights + attention_flops) * passes
     layer_flops += attention_flops / 2 if recompute == "selective" else 0.0  # q·kᵀ again for the probabilities
     attention_passes = profile.passes_att * (1 + 0.4 if recompute == "selective" else passes / 3)  # forward ≈ 40%
     replicated = profile.passes_replicated * t * C / (tp if layout.sp else 1)
@@ -252,9 +254,9 @@ def local_parameter_groups(cfg: Any, layout: Layout) -> list[tuple[float, int, i
     C, tp, layers = cfg.n_embd, layout.tp, math.ceil(cfg.n_layer / layout.pp)
     total = stage_parameters(cfg, layout.pp)
     experts = layers * cfg.n_expert * (8 * C ** 2 + 5 * C)
-    whole = layers * 6 * C + cfg.block_size * C + (2 * C if layout.pp == 1 else 0)
-    table = cfg.vocab_size * C
-    dense = (total - experts - whole - table) / tp + whole + math.ceil(cfg.vocab_size / tp) * C
+    whole = cfg.tp_replicated_parameters(layers, final_norm=layout.pp == 1)
+    table = cfg.vocab_tables * cfg.vocab_size * C
+    dense = (total - experts - whole - table) / tp + whole + cfg.vocab_tables * math.ceil(cfg.vocab_size / tp) * C
     replicas = layout.dp * layout.cp
     groups = [(dense, replicas, layout.shard_group or replicas)]
     expert_shards = min(layout.expert_shard_sizes()) if layout.shard_group else replicas // layout.ep
@@ -286,7 +288,8 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
     states = 0.0
     for psi, _, shards in local_parameter_groups(cfg, layout):  # ZeRO shards each group over its shard ranks
         states += model_state_bytes(psi, shards, layout.zero, itemsize)
-    linear = 34 / tp if layout.sp else 10 + 24 / tp
+    whole, split = cfg.activation_units()
+    linear = (whole + split) / tp if layout.sp else whole + split / tp
     if cfg.n_expert:
         linear += 16 * (cfg.capacity_factor * cfg.expert_top_k - 1 / tp)
     scores = 5 * H * T * T / (cp * s * C * tp) if layout.cp_kind == "ulysses" else 5 * H * s / (C * tp)
@@ -362,9 +365,12 @@ def plan(cfg: Any, world: int, batch_size: int, profile: Profile, itemsize: int 
 
 def megatron_flops(cfg: Any, batch_size: int, recompute: bool = True) -> float:
     """Megatron-LM's count of FLOPs per iteration (Narayanan et al. 2021, eq. 3): 96·B·s·l·h²·(1 + s/(6h) +
-    V/(16·l·h)) with activation recomputation (4 passes of 24·B·s·l·h²·(…)), 72·… without (3 passes)."""
+    V/(16·l·h)) with activation recomputation (4 passes of 24·B·s·l·h²·(…)), 72·… without (3 passes) — with
+    GPT's 24h² forward FLOPs per token and layer read as 2·(the block's weights) (cfg.layer_weights(): a
+    Llama's grouped-query attention and SwiGLU), so that GPT-2's count is the paper's exactly."""
     B, s, L, h, V = batch_size, cfg.block_size, cfg.n_layer, cfg.n_embd, cfg.vocab_size
-    return (96 if recompute else 72) * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    scale = 96 if recompute else 72
+    return scale / 24 * B * s * L * (2 * sum(cfg.layer_weights()) + 4 * s * h) + scale / 16 * B * s * h * V
 
 
 # ------------------------------------------------------------------------------------ calibration
@@ -476,9 +482,12 @@ def _pingpong(comm: Any, nbytes: int, reps: int = 20) -> float:
     return float(comm.broadcast(np.array([one_way]), root=0, label="calibration")[0])
 
 
-PRESETS = {  # name -> (n_layer, n_head, n_embd, block_size, vocab_size)
-    "gpt2-124m": (12, 12, 768, 1024, 50257),
-    "gpt3-175b": (96, 96, 12288, 2048, 51200),
+PRESETS = {  # name -> the model's config fields (``arch`` picks GPT-2's or Llama's; minipar.models.config_from_dict)
+    "gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257),
+    "gpt3-175b": dict(n_layer=96, n_head=96, n_embd=12288, block_size=2048, vocab_size=51200),
+    # Meta's Llama 3 8B (config.json of meta-llama/Meta-Llama-3-8B): 8,030,261,248 parameters
+    "llama3-8b": dict(arch="llama", n_layer=32, n_head=32, n_kv_head=8, n_embd=4096, n_inner=14336, block_size=8192,
+                      vocab_size=128256, rope_theta=500000.0, layer_norm_epsilon=1e-5),
 }
 ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 

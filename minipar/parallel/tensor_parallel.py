@@ -170,40 +170,51 @@ def _shard_used(p: Parameter, comm: Communicator | None) -> Tensor:
 
 class ColumnParallelLinear(Module):
     """y_r = f(x) W_r + b_r with W_r = W[:, cols of rank r] (in, out/tp); the output stays split.
-    Sequence-parallel: ḡ(x) instead of f(x) — the full sequence from the shards."""
+    Sequence-parallel: ḡ(x) instead of f(x) — the full sequence from the shards.
 
-    def __init__(self, weight: Any, bias: Any, comm: Communicator, sequence_parallel: bool = False):
-        self.weight, self.bias, self.comm, self.sp = Parameter(weight), Parameter(bias), comm, sequence_parallel
-        self.weight.norm_scale = self.bias.norm_scale = 1.0
+    ``replicated=(start, group)``: the columns from ``start`` on are not this rank's alone but a copy held by every
+    rank of ``group`` (a Llama's K/V head when tp > n_kv_head). Each rank's gradient of them covers its own query
+    heads only, so an ``f`` over the group sums it (an all-reduce of in·(out − start) per step, label
+    ``tp_kv_replicas``), and a global norm counts each copy 1/|group|."""
+
+    def __init__(self, weight: Any, bias: Any | None, comm: Communicator, sequence_parallel: bool = False,
+                 replicated: tuple[int, Communicator] | None = None):
+        self.weight, self.comm, self.sp, self.replicated = Parameter(weight), comm, sequence_parallel, replicated
+        self.bias = Parameter(bias) if bias is not None else None  # Llama's linears have none
+        if replicated is not None and bias is not None:
+            raise ValueError("replicated columns are implemented for bias-free layers (Llama's)")
+        for p in (self.weight, self.bias) if self.bias is not None else (self.weight,):
+            p.norm_scale = 1.0
+        if replicated is not None:
+            start, group = replicated
+            self.weight.norm_scale = xp.where(xp.arange(weight.shape[1]) < start, 1.0, 1.0 / group.size)
 
     def forward(self, x: Tensor) -> Tensor:
         x = GatherSequence.apply(x, self.comm) if self.sp else CopyToTensorParallel.apply(x, self.comm)
-        return ops.linear(x, self.weight, self.bias)
+        w = self.weight
+        if self.replicated is not None:
+            start, group = self.replicated
+            w = ops.concat([w[:, :start], CopyToTensorParallel.apply(w[:, start:], group, "tp_kv_replicas")], axis=1)
+        return ops.linear(x, w, self.bias)
 
 
 class RowParallelLinear(Module):
     """y = g(x_r W_r) + b with W_r = W[rows of rank r, :] (in/tp, out); b is whole on every rank.
     Sequence-parallel: ḡ*(x_r W_r) + b — this rank's shard of the sum."""
 
-    def __init__(self, weight: Any, bias: Any, comm: Communicator, sequence_parallel: bool = False):
-        self.weight, self.bias, self.comm, self.sp = Parameter(weight), Parameter(bias), comm, sequence_parallel
+    def __init__(self, weight: Any, bias: Any | None, comm: Communicator, sequence_parallel: bool = False):
+        self.weight, self.comm, self.sp = Parameter(weight), comm, sequence_parallel
+        self.bias = Parameter(bias) if bias is not None else None
         self.weight.norm_scale = 1.0
-        self.bias.norm_scale = 1.0 if comm.rank == 0 else 0.0
+        if self.bias is not None:
+            self.bias.norm_scale = 1.0 if comm.rank == 0 else 0.0
 
     def forward(self, x: Tensor) -> Tensor:
         if self.sp:
-            return ReduceScatterSequence.apply(ops.linear(x, self.weight), self.comm) + _shard_used(self.bias, self.comm)
-        return ReduceFromTensorParallel.apply(ops.linear(x, self.weight), self.comm) + self.bias
-
-
-class SequenceParallelLayerNorm(Module):
-    """A layer norm on this rank's (B, T/tp, C) shard, its gain and bias summed over tp in backward."""
-
-    def __init__(self, weight: Parameter, bias: Parameter, eps: float, comm: Communicator):
-        self.weight, self.bias, self.eps, self.comm = weight, bias, eps, comm
-
-    def forward(self, x: Tensor) -> Tensor:
-        return ops.layer_norm(x, _shard_used(self.weight, self.comm), _shard_used(self.bias, self.comm), self.eps)
+            y = ReduceScatterSequence.apply(ops.linear(x, self.weight), self.comm)
+            return y if self.bias is None else y + _shard_used(self.bias, self.comm)
+        y = ReduceFromTensorParallel.apply(ops.linear(x, self.weight), self.comm)
+        return y if self.bias is None else y + self.bias
 
 
 class SequenceParallelPositions(Module):
@@ -280,16 +291,22 @@ class VocabParallelCrossEntropy(Function):
 
 
 def check_tensor_parallel(cfg: Any, tp: int, sequence_parallel: bool = False) -> None:
-    """Raise before any communication if a GPT config cannot be split over ``tp`` ranks."""
+    """Raise before any communication if a GPT or Llama config cannot be split over ``tp`` ranks."""
     if cfg.n_head % tp:
         raise ValueError(f"--tp {tp} must divide n_head ({cfg.n_head}): heads are split across ranks")
-    if (4 * cfg.n_embd) % tp:
-        raise ValueError(f"--tp {tp} must divide the MLP width 4·n_embd ({4 * cfg.n_embd})")
+    if cfg.kv_heads % tp and tp % cfg.kv_heads:
+        raise ValueError(f"--tp {tp} and --n-kv-head {cfg.kv_heads}: one must divide the other — each rank keeps "
+                         "its share of the key/value heads, or one of them, replicated over tp/n_kv_head ranks")
+    if cfg.mlp_width % tp:
+        raise ValueError(f"--tp {tp} must divide the MLP width ({cfg.mlp_width})")
     if sequence_parallel and tp < 2:
         raise ValueError("--sp splits the sequence over the tensor-parallel ranks: it needs --tp >= 2")
     if sequence_parallel and cfg.block_size % tp:
         raise ValueError(f"--sp splits each sequence over --tp {tp} ranks: the sequence length "
                          f"(--block-size {cfg.block_size}) must be divisible by it")
+
+
+VOCAB_TABLES = ("transformer.wte.weight", "lm_head.weight")  # (V, C), split by vocabulary rows
 
 
 def _vocab_rows(cfg: Any, tp: int, rank: int) -> tuple[int, int, int]:
@@ -299,33 +316,41 @@ def _vocab_rows(cfg: Any, tp: int, rank: int) -> tuple[int, int, int]:
     return start, per_rank, max(0, min(per_rank, cfg.vocab_size - start))
 
 
+def _qkv_parts(cfg: Any, value: np.ndarray) -> list[np.ndarray]:
+    """The packed q | k | v columns (last axis) of c_attn as [q, k, v], each (…, heads, D): H query heads, then
+    K key and K value heads (K = H for GPT-2; grouped-query attention shares each K/V head among H/K queries)."""
+    H, K, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
+    return [part.reshape(*value.shape[:-1], n, D)
+            for part, n in zip(np.split(value, [H * D, (H + K) * D], axis=-1), (H, K, K))]
+
+
 def shard_state_dict(full: dict[str, np.ndarray], cfg: Any, tp: int, rank: int) -> dict[str, np.ndarray]:
-    """Rank ``rank``'s tensor-parallel slice of a full (single-process or Hugging Face) GPT state."""
-    H, C, D = cfg.n_head, cfg.n_embd, cfg.head_dim
-    heads = slice(rank * H // tp, (rank + 1) * H // tp)
-    cols = slice(rank * 4 * C // tp, (rank + 1) * 4 * C // tp)
+    """Rank ``rank``'s tensor-parallel slice of a full (single-process or Hugging Face) GPT or Llama state:
+    its query heads and key/value heads of c_attn (column), the same heads' rows of attn.c_proj (row), its
+    columns of each of c_fc's parts (GPT-2: one, 4C wide; Llama: gate | up) and those rows of mlp.c_proj,
+    its rows of the vocabulary tables. With fewer K/V heads than ranks (tp = j·K), rank r keeps K/V head
+    r·K // tp, which j ranks share."""
+    C, D, W, parts = cfg.n_embd, cfg.head_dim, cfg.mlp_width, cfg.mlp_parts
+    mine = lambda n: slice(rank * n // tp, rank * n // tp + max(1, n // tp))  # noqa: E731  (n < tp: one of n, shared)
     start, per_rank, valid = _vocab_rows(cfg, tp, rank)
     out = {}
     for name, value in full.items():
         if cfg.n_expert and ".mlp." in name:        # mixture-of-experts MLPs: whole on every tp rank
             out[name] = value
-        elif name == "transformer.wte.weight":
+        elif name in VOCAB_TABLES:
             table = np.zeros((per_rank, C), value.dtype)
             table[:valid] = value[start:start + valid]
             out[name] = table
-        elif name.endswith("attn.c_attn.weight"):   # (C, 3C) = (C, [q|k|v], H, D): keep this rank's heads
-            out[name] = value.reshape(C, 3, H, D)[:, :, heads].reshape(C, -1)
-        elif name.endswith("attn.c_attn.bias"):
-            out[name] = value.reshape(3, H, D)[:, heads].reshape(-1)
+        elif name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):   # this rank's q, k and v heads
+            out[name] = np.concatenate([part[..., mine(part.shape[-2]), :].reshape(*value.shape[:-1], -1)
+                                        for part in _qkv_parts(cfg, value)], axis=-1)
         elif name.endswith("attn.c_proj.weight"):   # rows = the concatenated heads
-            out[name] = value.reshape(H, D, C)[heads].reshape(-1, C)
-        elif name.endswith("mlp.c_fc.weight"):
-            out[name] = value[:, cols]
-        elif name.endswith("mlp.c_fc.bias"):
-            out[name] = value[cols]
+            out[name] = value.reshape(cfg.n_head, D, C)[mine(cfg.n_head)].reshape(-1, C)
+        elif name.endswith(("mlp.c_fc.weight", "mlp.c_fc.bias")):
+            out[name] = value.reshape(*value.shape[:-1], parts, W)[..., mine(W)].reshape(*value.shape[:-1], -1)
         elif name.endswith("mlp.c_proj.weight"):
-            out[name] = value[cols, :]
-        else:                                        # layer norms, wpe, row-parallel biases: whole
+            out[name] = value[mine(W), :]
+        else:                                        # norms, wpe, row-parallel biases: whole
             out[name] = value
         out[name] = np.array(out[name], order="C")  # a copy: a view would keep the whole matrix alive
     return out
@@ -333,22 +358,25 @@ def shard_state_dict(full: dict[str, np.ndarray], cfg: Any, tp: int, rank: int) 
 
 def merge_state_dicts(shards: list[dict[str, np.ndarray]], cfg: Any) -> dict[str, np.ndarray]:
     """The inverse of :func:`shard_state_dict`: the full state from every rank's slice, in rank order."""
-    tp, H, C, D = len(shards), cfg.n_head, cfg.n_embd, cfg.head_dim
+    tp, H, K, D, parts = len(shards), cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.mlp_parts
     out = {}
     for name, value in shards[0].items():
-        parts = [s[name] for s in shards]
+        pieces = [s[name] for s in shards]
         if cfg.n_expert and ".mlp." in name:
             out[name] = value
-        elif name == "transformer.wte.weight":
-            out[name] = np.concatenate(parts)[:cfg.vocab_size]
-        elif name.endswith("attn.c_attn.weight"):
-            out[name] = np.concatenate([p.reshape(C, 3, H // tp, D) for p in parts], axis=2).reshape(C, 3 * C)
-        elif name.endswith("attn.c_attn.bias"):
-            out[name] = np.concatenate([p.reshape(3, H // tp, D) for p in parts], axis=1).reshape(3 * C)
+        elif name in VOCAB_TABLES:
+            out[name] = np.concatenate(pieces)[:cfg.vocab_size]
+        elif name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
+            q, kv = H // tp, max(1, K // tp)
+            split = [np.split(piece, [q * D, (q + kv) * D], axis=-1) for piece in pieces]
+            holders = [r for r in range(tp) if r == 0 or r * K // tp != (r - 1) * K // tp]  # one copy of each K/V head
+            out[name] = np.concatenate([np.concatenate([split[r][j] for r in (range(tp) if j == 0 else holders)],
+                                                       axis=-1) for j in range(3)], axis=-1)
         elif name.endswith(("attn.c_proj.weight", "mlp.c_proj.weight")):
-            out[name] = np.concatenate(parts, axis=0)
+            out[name] = np.concatenate(pieces, axis=0)
         elif name.endswith(("mlp.c_fc.weight", "mlp.c_fc.bias")):
-            out[name] = np.concatenate(parts, axis=-1)
+            lead = value.shape[:-1]
+            out[name] = np.concatenate([piece.reshape(*lead, parts, -1) for piece in pieces], axis=-1).reshape(*lead, -1)
         else:
             out[name] = value
     return out
@@ -363,27 +391,33 @@ def tensor_parallel(model: GPT, comm: Communicator, sequence_parallel: bool = Fa
     cfg, tp, rank, sp = model.config, comm.size, comm.rank, sequence_parallel
     check_tensor_parallel(cfg, tp, sp)
     local = shard_state_dict(model.state_dict(), cfg, tp, rank)
-    dev = lambda name: to_device(local[name], dtype=model.transformer.wte.weight.dtype)  # noqa: E731
+    dev = lambda name: to_device(local[name], dtype=model.transformer.wte.weight.dtype) if name in local else None  # noqa: E731
     start, _, valid = _vocab_rows(cfg, tp, rank)
     model.transformer.wte = VocabParallelEmbedding(dev("transformer.wte.weight"), start, valid, comm, sp)
+    if "lm_head.weight" in local:  # an untied head: its own vocabulary-parallel table
+        model.lm_head = VocabParallelEmbedding(dev("lm_head.weight"), start, valid, comm, sp)
+    replicated = None
+    if cfg.kv_heads < tp:  # K/V head r·K//tp on rank r: the ranks sharing one sum its gradient
+        group = comm.split(rank * cfg.kv_heads // tp, name=f"{comm.name}/kv")
+        replicated = (cfg.n_head // tp * cfg.head_dim, group)
     for i, block in enumerate(model.transformer.h):
         p = f"transformer.h.{i}."
-        block.attn.c_attn = ColumnParallelLinear(dev(p + "attn.c_attn.weight"), dev(p + "attn.c_attn.bias"), comm, sp)
+        block.attn.c_attn = ColumnParallelLinear(dev(p + "attn.c_attn.weight"), dev(p + "attn.c_attn.bias"), comm, sp,
+                                                 replicated)
         block.attn.c_proj = RowParallelLinear(dev(p + "attn.c_proj.weight"), dev(p + "attn.c_proj.bias"), comm, sp)
-        block.attn.n_head = cfg.n_head // tp
+        block.attn.keep_heads(tp)
         if not cfg.n_expert:  # a mixture-of-experts MLP runs whole on every tp rank (expert_parallel.py)
             block.mlp.c_fc = ColumnParallelLinear(dev(p + "mlp.c_fc.weight"), dev(p + "mlp.c_fc.bias"), comm, sp)
             block.mlp.c_proj = RowParallelLinear(dev(p + "mlp.c_proj.weight"), dev(p + "mlp.c_proj.bias"), comm, sp)
-        if sp:
-            block.ln_1 = SequenceParallelLayerNorm(block.ln_1.weight, block.ln_1.bias, block.ln_1.eps, comm)
-            block.ln_2 = SequenceParallelLayerNorm(block.ln_2.weight, block.ln_2.bias, block.ln_2.eps, comm)
+        if sp:  # the norms see this rank's shard: their parameters' gradients are summed over tp
+            block.ln_1.param_use = block.ln_2.param_use = lambda p: _shard_used(p, comm)
             if cfg.n_expert:  # the MoE MLP runs whole on the gathered sequence; the residual keeps this shard
                 block.ln_2.register_forward_hook(lambda _, h: GatherSequence.apply(h, comm, "sp_moe", True))
                 block.mlp.register_forward_hook(lambda _, y: ScatterSequence.apply(y, comm, "sp_moe"))
     if sp:
-        ln_f = model.transformer.ln_f
-        model.transformer.ln_f = SequenceParallelLayerNorm(ln_f.weight, ln_f.bias, ln_f.eps, comm)
-        model.transformer.wpe = SequenceParallelPositions(model.transformer.wpe.weight, comm)
+        model.transformer.ln_f.param_use = lambda p: _shard_used(p, comm)
+        if hasattr(model.transformer, "wpe"):  # learned positions (GPT-2; Llama rotates q and k instead)
+            model.transformer.wpe = SequenceParallelPositions(model.transformer.wpe.weight, comm)
         model.sequence_shard = (rank, tp)
     for p in model.parameters():  # whole on every tp rank: count once in a global norm
         if not hasattr(p, "norm_scale"):

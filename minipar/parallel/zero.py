@@ -108,7 +108,7 @@ class Shard:
 
     def _per_element(self, values: list[float]) -> Any:
         """One value per parameter, spread over this rank's slice of the flat buffer (a scalar when all agree)."""
-        if len(set(values)) == 1:
+        if all(np.ndim(v) == 0 for v in values) and len(set(values)) == 1:
             return float(values[0])
         full = self.bucket.flatten([xp.full(shape, v, dtype=self.state_dtype) for v, shape in zip(values, self.bucket.shapes)])
         return full[self.lo:self.hi].copy()

@@ -1,0 +1,309 @@
+"""Llama (Touvron et al. 2023): GPT-2's decoder with four changes, each a few lines beside models/gpt.py.
+
+    idx (B, T) ──wte──> x (B, T, C)                     no position table: positions rotate q and k
+    repeat n_layer:   x = x + attn(rms_1(x))           attn: c_attn (C→(H+2K)·D) = q | k | v, RoPE on q and k,
+                                                             each K/V head shared by H/K queries, c_proj
+                      x = x + mlp(rms_2(x))            mlp:  c_fc (C→2I) = gate | up, silu(gate)·up, c_proj (I→C)
+    logits = rms_f(x) @ lm_headᵀ                     (untied by default; --tie-embeddings shares wte)
+
+1. RMSNorm for LayerNorm: x / √(mean(x²) + ε) · w — no mean, no bias (ops.RMSNorm).
+2. Rotary position embeddings (Su et al. 2021) for the learned wpe: head dimensions i and i + D/2 of q and k
+   rotate by position·θ^(−2i/D), so q·k depends on the distance between the tokens only (ops.Rope, in
+   Hugging Face's half-split layout). A rank computes the angles at the true positions of the tokens it holds —
+   context parallelism's zigzag chunks included — so no parallel layout changes the function.
+3. SwiGLU for the GELU MLP: silu(x W_gate) ⊙ (x W_up) W_down, I wide (Meta's rule: 8C/3 rounded up to a
+   multiple of 256).
+4. Grouped-query attention (Ainslie et al. 2023): K ≤ H key/value heads; query head h uses K/V head
+   h // (H/K). K = H is multi-head attention, K = 1 multi-query.
+
+No linear has a bias. The parameter names are GPT-2's (``transformer.h.0.attn.c_attn.weight``, (in, out)), so
+every parallel engine splits a Llama as it splits a GPT-2: tensor parallelism keeps a rank's query heads and
+its K/tp key/value heads of c_attn and its columns of each of gate and up; :meth:`Llama.from_hf` and
+:meth:`Llama.save_hf` translate to and from transformers' ``LlamaForCausalLM`` names (q_proj, …, (out, in)).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from minipar import ops
+from minipar.autograd import Tensor
+from minipar.backend import xp
+from minipar.data import save_tokenizer
+from minipar.models.gpt import GPT, Block, CausalSelfAttention, GPTConfig, read_hf_config
+from minipar.models.moe import MoEMLP
+from minipar.nn import Embedding, Linear, Module, ModuleList, RMSNorm
+from minipar.safetensors_io import (DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, stored_dtypes,
+                                    write_hf_weights)
+
+
+def llama_inner(n_embd: int, multiple_of: int = 256) -> int:
+    """Meta's SwiGLU width: 2/3 of 4C (the same parameters as a 4C GELU MLP), rounded up to ``multiple_of``."""
+    return multiple_of * math.ceil(int(8 * n_embd / 3) / multiple_of)
+
+
+@dataclass
+class LlamaConfig(GPTConfig):
+    layer_norm_epsilon: float = 1e-6  # rms_norm_eps
+    arch: str = "llama"
+    n_kv_head: int = 0  # key/value heads; 0: n_head (multi-head attention)
+    n_inner: int = 0  # the SwiGLU width; 0: llama_inner(n_embd)
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.n_kv_head < 0 or self.n_head % self.kv_heads:
+            raise ValueError(f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head}): each key/value head "
+                             "serves an equal group of query heads")
+        if self.head_dim % 2:
+            raise ValueError(f"the head dimension n_embd/n_head = {self.head_dim} must be even: RoPE rotates pairs")
+        if self.n_inner < 0 or self.rope_theta <= 0:
+            raise ValueError("n_inner must be >= 0 and rope_theta > 0")
+
+    kv_heads = property(lambda self: self.n_kv_head or self.n_head)
+    mlp_width = property(lambda self: self.n_inner or llama_inner(self.n_embd))
+    mlp_parts = 2  # c_fc = gate | up
+    display_name = "Llama"
+    ties_embeddings = property(lambda self: self.tie_word_embeddings)
+
+    def attention_scale(self, layer: int) -> float:
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def layer_weights(self) -> tuple[int, int]:
+        C, D, H, K = self.n_embd, self.head_dim, self.n_head, self.kv_heads
+        return C * (H + 2 * K) * D + H * D * C, 3 * C * self.mlp_width
+
+    def tp_replicated_parameters(self, layers: int, final_norm: bool) -> int:
+        return layers * 2 * self.n_embd + (self.n_embd if final_norm else 0)  # the RMSNorm gains
+
+    vocab_tables = property(lambda self: 1 if self.tie_word_embeddings else 2)
+
+    def activation_units(self) -> tuple[float, float]:
+        """As GPTConfig's, for what this implementation keeps: whole, the two norms' inputs and the inputs of
+        c_attn and c_fc (8); split, q (2), k and v before and after their repeat to H heads (4 + 4K/H), the
+        attention output (2) and the SwiGLU's gate | up and product (6·I/h)."""
+        return 8.0, 8.0 + 4.0 * self.kv_heads / self.n_head + 6.0 * self.mlp_width / self.n_embd
+
+    def num_parameters(self, layers: int | None = None, embeddings: bool = True, final_norm: bool = True) -> int:
+        """Per block: attention C·(H + 2K)·D + H·D·C, SwiGLU 3·C·I (with E experts: C·E router + E·(8C² + 5C)
+        GELU experts), two norms 2C; the embedding V·C (twice when untied); the final norm C."""
+        C, D, H, K, E = self.n_embd, self.head_dim, self.n_head, self.kv_heads, self.n_expert
+        mlp = 3 * C * self.mlp_width if not E else C * E + E * (8 * C * C + 5 * C)
+        per_block = C * (H + 2 * K) * D + H * D * C + mlp + 2 * C
+        blocks = (self.n_layer if layers is None else layers) * per_block
+        table = self.vocab_size * C * (1 if self.tie_word_embeddings else 2)
+        return blocks + (table if embeddings else 0) + (C if final_norm else 0)
+
+
+class RotaryAttention(CausalSelfAttention):
+    """Causal attention with RoPE and grouped-query heads. The core (ops.causal_self_attention, or context
+    parallelism's ring or Ulysses core) receives q | k | v with the K/V heads repeated to H: every core works
+    unchanged, at the cost of H/K times the K/V activations it keeps (and, under Ulysses, sends)."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int):
+        H, K, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.c_attn = Linear(cfg.n_embd, (H + 2 * K) * D, bias=False, dtype=cfg.dtype)
+        self.c_proj = Linear(H * D, cfg.n_embd, bias=False, dtype=cfg.dtype)
+        self.n_head, self.n_kv_head, self.head_dim, self.theta = H, K, D, cfg.rope_theta
+        self.scale = cfg.attention_scale(layer)
+        self.core = ops.causal_self_attention
+        self.positions = lambda T: xp.arange(T)  # the model points it at its own given positions
+
+    def keep_heads(self, tp: int) -> None:
+        self.n_head //= tp
+        self.n_kv_head = max(1, self.n_kv_head // tp)  # tp > K: one K/V head, shared with other ranks
+
+    def forward(self, x: Tensor) -> Tensor:
+        qkv = self.c_attn(x)
+        B, T, _ = qkv.shape
+        H, K, D = self.n_head, self.n_kv_head, self.head_dim
+        qkv = qkv.reshape(B, T, H + 2 * K, D)
+        cos, sin = ops.rope_tables(self.positions(T), D, self.theta, xp.float64 if x.dtype == xp.float64 else xp.float32)
+        q = ops.rope(qkv[:, :, :H], cos, sin)
+        k = ops.rope(qkv[:, :, H:H + K], cos, sin)
+        v = qkv[:, :, H + K:]
+        packed = ops.concat([q, self.share_kv(k, H), self.share_kv(v, H)], axis=2).reshape(B, T, 3 * H * D)
+        return self.c_proj(self.core(packed, H, self.scale))
+
+    @staticmethod
+    def share_kv(a: Tensor, H: int) -> Tensor:
+        """(B, T, K, D) -> (B, T, H, D): K/V head g serves query heads g·H/K … (g+1)·H/K − 1 (transformers'
+        repeat_kv), by a broadcast multiply whose backward sums the group's gradients."""
+        B, T, K, D = a.shape
+        if K == H:
+            return a
+        return (a.reshape(B, T, K, 1, D) * xp.ones((1, 1, 1, H // K, 1), dtype=a.dtype)).reshape(B, T, H, D)
+
+
+class SwiGLUMLP(Module):
+    def __init__(self, cfg: LlamaConfig):
+        self.c_fc = Linear(cfg.n_embd, 2 * cfg.mlp_width, bias=False, dtype=cfg.dtype)  # gate | up
+        self.c_proj = Linear(cfg.mlp_width, cfg.n_embd, bias=False, dtype=cfg.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.c_proj(ops.swiglu(self.c_fc(x)))
+
+
+class LlamaBlock(Block):
+    """GPT-2's block (pre-norm residuals, full recomputation) with Llama's norm, attention and MLP."""
+
+    def __init__(self, cfg: LlamaConfig, layer: int):
+        self.ln_1 = RMSNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
+        self.attn = RotaryAttention(cfg, layer)
+        self.ln_2 = RMSNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
+        self.mlp = MoEMLP(cfg.n_embd, cfg.n_expert, cfg.expert_top_k, cfg.capacity_factor, cfg.dtype) \
+            if cfg.n_expert else SwiGLUMLP(cfg)
+
+
+class LlamaTransformer(Module):
+    def __init__(self, cfg: LlamaConfig):
+        self.wte = Embedding(cfg.vocab_size, cfg.n_embd, dtype=cfg.dtype)
+        self.h = ModuleList([LlamaBlock(cfg, layer) for layer in range(cfg.n_layer)])
+        self.ln_f = RMSNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
+
+
+class Llama(GPT):
+    """GPT's interface (embed / blocks / head, generate, recomputation) on a Llama; ``lm_head`` when untied."""
+
+    def __init__(self, cfg: LlamaConfig, seed: int = 0):
+        self.config = cfg
+        self.transformer = LlamaTransformer(cfg)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Embedding(cfg.vocab_size, cfg.n_embd, dtype=cfg.dtype)
+        for block in self.transformer.h:  # late-bound: context parallelism replaces given_positions
+            block.attn.positions = lambda T: self.given_positions(T)
+        self._init_weights(seed)
+
+    def embed(self, idx: Any) -> Tensor:
+        if idx.shape[1] > self.config.block_size:
+            raise ValueError(f"sequence length {idx.shape[1]} exceeds block_size {self.config.block_size}")
+        return self.transformer.wte(idx)
+
+    # ---- Hugging Face checkpoints ----
+    @classmethod
+    def from_hf(cls, directory: str, dtype: str | None = None) -> Llama:
+        """Load a directory written by transformers (``LlamaForCausalLM.save_pretrained``) or :meth:`save_hf`."""
+        cfg = hf_llama_config(directory, dtype)
+        hf = read_hf_weights(directory)
+        state = {"transformer.wte.weight": hf.pop("model.embed_tokens.weight"),
+                 "transformer.ln_f.weight": hf.pop("model.norm.weight")}
+        for i in range(cfg.n_layer):
+            h, p = f"transformer.h.{i}.", f"model.layers.{i}."
+            state[h + "ln_1.weight"] = hf.pop(p + "input_layernorm.weight")
+            state[h + "ln_2.weight"] = hf.pop(p + "post_attention_layernorm.weight")
+            state[h + "attn.c_attn.weight"] = np.concatenate([hf.pop(f"{p}self_attn.{n}_proj.weight").T for n in "qkv"], 1)
+            state[h + "attn.c_proj.weight"] = hf.pop(p + "self_attn.o_proj.weight").T
+            state[h + "mlp.c_fc.weight"] = np.concatenate([hf.pop(f"{p}mlp.{n}_proj.weight").T for n in ("gate", "up")], 1)
+            state[h + "mlp.c_proj.weight"] = hf.pop(p + "mlp.down_proj.weight").T
+        head = hf.pop("lm_head.weight", None)
+        if not cfg.tie_word_embeddings:
+            if head is None:
+                raise ValueError(f"{directory}: tie_word_embeddings is false but there is no lm_head.weight")
+            state["lm_head.weight"] = head
+        rest = sorted(k for k in hf if not k.endswith("rotary_emb.inv_freq"))  # older checkpoints stored the table
+        if rest:
+            raise ValueError(f"{directory}: weight {rest[0]!r} is not part of a Llama minipar implements")
+        model = cls(cfg)
+        model.load_state_dict({name: np.ascontiguousarray(value) for name, value in state.items()})
+        return model
+
+    def save_hf(self, directory: str, state: dict[str, np.ndarray] | None = None,
+                max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer: str | None = None) -> None:
+        """Write ``config.json`` + safetensors that ``LlamaForCausalLM.from_pretrained`` loads (q/k/v, gate/up
+        split out of the packed matrices, every matrix as (out, in)) and the tokenizer files."""
+        cfg = self.config
+        if cfg.n_expert:
+            raise ValueError("a mixture-of-experts Llama has no LlamaForCausalLM layout: save it with --save instead")
+        state = state if state is not None else self.state_dict()
+        H, K, D, C = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.n_embd
+        hf = {"model.embed_tokens.weight": state["transformer.wte.weight"],
+              "model.norm.weight": state["transformer.ln_f.weight"]}
+        for i in range(cfg.n_layer):
+            h, p = f"transformer.h.{i}.", f"model.layers.{i}."
+            hf[p + "input_layernorm.weight"] = state[h + "ln_1.weight"]
+            hf[p + "post_attention_layernorm.weight"] = state[h + "ln_2.weight"]
+            q, k, v = np.split(state[h + "attn.c_attn.weight"], [H * D, (H + K) * D], axis=1)
+            for n, w in zip("qkv", (q, k, v)):
+                hf[f"{p}self_attn.{n}_proj.weight"] = w.T
+            hf[p + "self_attn.o_proj.weight"] = state[h + "attn.c_proj.weight"].T
+            gate, up = np.split(state[h + "mlp.c_fc.weight"], 2, axis=1)
+            hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate.T, up.T
+            hf[p + "mlp.down_proj.weight"] = state[h + "mlp.c_proj.weight"].T
+        if not cfg.tie_word_embeddings:
+            hf["lm_head.weight"] = state["lm_head.weight"]
+        os.makedirs(directory, exist_ok=True)
+        end_of_text = save_tokenizer(directory, cfg.vocab_size, cfg.block_size, tokenizer)
+        config = {
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+            "hidden_size": C, "intermediate_size": cfg.mlp_width, "num_hidden_layers": cfg.n_layer,
+            "num_attention_heads": H, "num_key_value_heads": K, "head_dim": D, "hidden_act": "silu",
+            "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.layer_norm_epsilon,
+            "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"}, "rope_theta": cfg.rope_theta,
+            "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "pretraining_tp": 1,
+            "initializer_range": 0.02, "tie_word_embeddings": cfg.tie_word_embeddings,
+            "bos_token_id": end_of_text, "eos_token_id": end_of_text,
+            "dtype": cfg.dtype, "torch_dtype": cfg.dtype, "minipar": asdict(cfg),
+        }
+        write_hf_weights(directory, {n: np.ascontiguousarray(w) for n, w in hf.items()}, max_shard_bytes)
+        atomic_write(os.path.join(directory, "config.json"), [json.dumps(config, indent=2).encode()])
+
+
+# Every LlamaConfig field: implemented (it shapes LlamaConfig), refused unless it has the value minipar computes,
+# or without effect on the function the weights compute (dropout at 0 in evaluation, initialization, generation
+# and bookkeeping settings; transformers' generic PretrainedConfig keys are gpt.py's _HF_GENERIC).
+_IMPLEMENTED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_parameters",
+                "rope_scaling", "tie_word_embeddings", "head_dim", "dtype", "torch_dtype"}
+_REQUIRED_VALUE = {  # field: (accepted values, what minipar implements instead)
+    "model_type": (("llama",), "this is minipar's Llama loader"),
+    "hidden_act": (("silu",), "minipar's SwiGLU gates with silu"),
+    "attention_bias": ((False,), "minipar's Llama linears have no bias"),
+    "mlp_bias": ((False,), "minipar's Llama linears have no bias"),
+    "pretraining_tp": ((1,), "the weights are stored whole; any other value changes the rounding only in transformers"),
+}
+_NO_EFFECT = {"attention_dropout", "initializer_range", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
+              "architectures", "transformers_version", "minipar"}
+
+
+def hf_llama_config(directory: str, dtype: str | None = None) -> LlamaConfig:
+    """The LlamaConfig of a Hugging Face Llama directory: every field implemented or refused in one line."""
+    from minipar.models.gpt import _HF_GENERIC  # transformers' generic keys, shared with GPT-2's loader
+
+    path, hf = read_hf_config(directory)
+    for field, (accepted, why) in _REQUIRED_VALUE.items():
+        value = hf.get(field, accepted[0])
+        if value not in accepted:
+            raise ValueError(f"{path}: {field}={value!r} is unsupported ({why})")
+    unknown = sorted(set(hf) - _IMPLEMENTED - set(_REQUIRED_VALUE) - _NO_EFFECT - _HF_GENERIC)
+    if unknown:
+        raise ValueError(f"{path}: config field {unknown[0]!r} is not a Llama field minipar implements; refusing to "
+                         "guess what it changes")
+    for key in ("rope_parameters", "rope_scaling"):  # transformers 5 / earlier
+        kind = (hf.get(key) or {}).get("rope_type", (hf.get(key) or {}).get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{path}: {key} rope_type={kind!r} is unsupported (minipar implements the default RoPE, "
+                             "no scaling)")
+    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
+    missing = [f for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads", "max_position_embeddings") if f not in hf]
+    if missing:
+        raise ValueError(f"{path}: missing required field {missing[0]!r}")
+    C, H = hf["hidden_size"], hf["num_attention_heads"]
+    if hf.get("head_dim", C // H) != C // H:
+        raise ValueError(f"{path}: head_dim={hf['head_dim']} is unsupported (minipar's heads are hidden_size / "
+                         f"num_attention_heads = {C // H} wide)")
+    stored = hf.get("minipar", {}).get("dtype") or hf.get("dtype") or hf.get("torch_dtype")
+    if stored is None and stored_dtypes(directory) == {"F64"}:
+        stored = "float64"
+    return LlamaConfig(vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"],
+                       n_layer=hf["num_hidden_layers"], n_head=H, n_embd=C,
+                       n_kv_head=hf.get("num_key_value_heads") or H, n_inner=hf["intermediate_size"],
+                       layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                       dtype=dtype or ("float64" if stored == "float64" else "float32"))
