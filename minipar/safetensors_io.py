@@ -57,10 +57,13 @@ def encode_safetensors(tensors: dict[str, np.ndarray], metadata: dict[str, str] 
     payload, offset = [], 0
     for name, array in tensors.items():
         array = np.ascontiguousarray(array)
-        code = _FROM_NUMPY.get(array.dtype.str.lstrip("<|="))
-        if code is None:
-            raise TypeError(f"{name}: dtype {array.dtype} cannot be stored in safetensors here")
-        raw = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+        if array.dtype.name == "bfloat16":  # ml_dtypes' bfloat16: its 16 bits as they are
+            code, raw = "BF16", array.view(np.uint16).astype("<u2", copy=False).tobytes()
+        else:
+            code = _FROM_NUMPY.get(array.dtype.str.lstrip("<|="))
+            if code is None:
+                raise TypeError(f"{name}: dtype {array.dtype} cannot be stored in safetensors here")
+            raw = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
         header[name] = {"dtype": code, "shape": list(array.shape), "data_offsets": [offset, offset + len(raw)]}
         payload.append(raw)
         offset += len(raw)

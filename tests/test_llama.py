@@ -123,6 +123,20 @@ def test_hugging_face_directory_round_trip_and_refusals(tmp_path):
             models.from_hf(str(tmp_path / "bad"))
 
 
+@pytest.mark.parametrize("dtype,code", [("bfloat16", "BF16"), ("float32", "F32"), ("float64", "F64")])
+def test_save_hf_writes_each_dtype_and_reads_it_back(tmp_path, dtype, code):
+    """bfloat16 weights are written as BF16 (and read back widened to float32, bit for bit), float32 and float64
+    as themselves; tied and untied heads."""
+    from minipar.safetensors_io import stored_dtypes
+
+    model = Llama(LlamaConfig(**{**SMALL, "dtype": dtype}, tie_word_embeddings=dtype == "float32"), seed=3)
+    model.save_hf(str(tmp_path))
+    assert stored_dtypes(str(tmp_path)) == {code}
+    back = models.from_hf(str(tmp_path)).state_dict()
+    assert back.keys() == model.state_dict().keys() and ("lm_head.weight" in back) == (dtype != "float32")
+    assert all((back[k] == v.astype(back[k].dtype)).all() for k, v in model.state_dict().items())
+
+
 LLAMA = ["--arch", "llama", "--n-layer", "4", "--n-head", "4", "--n-kv-head", "2", "--n-embd", "16", "--n-inner", "24",
          "--block-size", "16", "--batch-size", "8", "--steps", "4", "--warmup", "2", "--lr", "3e-3", "--dtype",
          "float64", "--eval-interval", "0", "--json"]
@@ -138,6 +152,7 @@ LAYOUTS = {
     "cp2 ulysses": (2, ["--cp", "2", "--cp-kind", "ulysses", "--cp-split", "contiguous"], [], 1),
     "tp2 cp2 sp": (4, ["--tp", "2", "--cp", "2", "--sp"], [], 1),
     "pp2 1f1b untied": (2, ["--pp", "2", "--microbatches", "4"], [], 4),
+    "pp2 gpipe": (2, ["--pp", "2", "--microbatches", "2", "--schedule", "gpipe"], [], 2),
     "pp2 dualpipev tied": (2, ["--pp", "2", "--microbatches", "4", "--schedule", "dualpipev", "--tie-embeddings"],
                            ["--tie-embeddings"], 4),
     "pp2 interleaved": (2, ["--pp", "2", "--microbatches", "4", "--schedule", "interleaved", "--virtual-stages", "2"],
