@@ -13,13 +13,23 @@ import numpy as np
 from minipar import ops
 from minipar.autograd import Tensor
 from minipar.backend import resolve_dtype, to_device, to_host, xp
+from minipar.placement import REPLICATED, Placement
 
 
 class Parameter(Tensor):
-    """A leaf Tensor that an optimizer updates."""
+    """A leaf Tensor that an optimizer updates, and where it lives across the mesh (placement.py; set by the
+    parallel engines that split it — by default whole on every rank)."""
+
+    placement: Placement = REPLICATED
 
     def __init__(self, data: Any):
         super().__init__(data, requires_grad=True)
+
+    @property
+    def norm_weight(self) -> Any:
+        """The weight of this rank's squared gradient entries in a global gradient norm (Placement.norm_weight)."""
+        weight = self.placement.norm_weight(self.ndim)
+        return weight if np.ndim(weight) == 0 else xp.asarray(weight, dtype=xp.float64)
 
 
 class Module:

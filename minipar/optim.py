@@ -195,8 +195,8 @@ def clip_grad_norm(params: Iterable[Parameter], max_norm: float,
 
     ``sum_squares`` turns this rank's Σg² into the global one: identity for one process, an
     all-reduce over the ranks that hold disjoint pieces of the gradients when they are sharded.
-    A parameter's ``norm_scale`` (default 1; a scalar or one weight per element) weighs its
-    squares: 0 on the ranks whose copy of a replicated parameter another rank already counts.
+    A parameter's ``norm_weight`` (its placement's: a scalar or one weight per element; 1 for objects without
+    one) weighs its squares, so that a replica held by several ranks counts once over all of them.
     The decision to clip is made on the device (a factor of 1 when the norm is within bounds),
     so a GPU step never waits for the host here.
     """
@@ -207,9 +207,9 @@ def clip_grad_norm(params: Iterable[Parameter], max_norm: float,
 
 
 def sum_of_squares(held: Iterable[Any]) -> Any:
-    """Σ norm_scale·g² over the gradients of ``held`` (objects with ``.grad``), as a 0-d xp array (16-bit
+    """Σ norm_weight·g² over the gradients of ``held`` (objects with ``.grad``), as a 0-d xp array (16-bit
     gradients summed in float32)."""
-    return sum((((g * g) * getattr(p, "norm_scale", 1.0)).sum()
+    return sum((((g * g) * getattr(p, "norm_weight", 1.0)).sum()
                 for p in held for g in [p.grad.astype(xp.float32) if is_low_precision(p.grad.dtype) else p.grad]),
                xp.zeros(()))
 

@@ -39,15 +39,13 @@ from minipar.optim import AdamW, LossScaler, cosine_lr
 from minipar.parallel.compression import make_compressor
 from minipar.parallel.context_parallel import context_parallel, context_slice
 from minipar.parallel.data_parallel import DataParallel
-from minipar.parallel.expert_parallel import (expert_names, expert_parallel, expert_report, gather_expert_state,
-                                              moe_layers, shard_expert_state)
+from minipar.parallel.expert_parallel import (expert_parallel, expert_report, moe_layers)
 from minipar.parallel.local_sgd import LocalSGD
 from minipar.parallel.layout import Layout
 from minipar.parallel.mesh import Mesh
 from minipar.parallel.pipeline import Pipeline, stage_state
 from minipar.nn import LayerNorm
-from minipar.parallel.tensor_parallel import (gather_tensor_parallel_state,
-                                              shard_state_dict, tensor_parallel)
+from minipar.parallel.tensor_parallel import (tensor_parallel)
 from minipar.parallel.zero import ZeRO
 
 
@@ -67,13 +65,14 @@ def build_model(args: argparse.Namespace, cfg: GPTConfig, mesh: Mesh, resumed: C
     return context_parallel(model, mesh.cp_comm, args.cp_kind, args.cp_split) if mesh.cp > 1 else model
 
 
+def placements(model: GPT) -> dict[str, Any]:
+    return {name: p.placement for name, p in model.named_parameters()}
+
+
 def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoint) -> None:
-    """Adam's moments from a checkpoint of any layout: this rank's tp slice of the full tensors."""
+    """Adam's moments from a checkpoint of any layout: this rank's pieces of the full tensors."""
     moments = [resumed.exp_avg, resumed.exp_avg_sq, resumed.params]  # params: the float32 masters of a 16-bit model
-    if mesh.tp > 1:
-        moments = [shard_state_dict(m, model.config, mesh.tp, mesh.tp_rank) for m in moments]
-    if mesh.ep > 1:
-        moments = [shard_expert_state(m, mesh.ep, mesh.ep_rank, expert_names(model)) for m in moments]
+    moments = [mesh.local_state(m, placements(model)) for m in moments]
     optimizer.import_state(*moments[:2], {id(p): n for n, p in model.named_parameters()}, resumed.optimizer_step,
                            master=moments[2])
 
@@ -121,9 +120,8 @@ def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any,
     own = {**engine.rank_state(), **(local_sgd.export_state(optimizer, names) if local_sgd else {})}
     params = {**engine.gathered_state_dict(), **optimizer.master_state(names)}  # a 16-bit model's float32 masters
     state = {"param": params, **optimizer.export_state(names)}
-    if mesh.ep > 1:  # whole experts, from every ep rank's share
-        experts = expert_names(model)
-        state = {kind: gather_expert_state(tensors, mesh.ep_comm, experts) for kind, tensors in state.items()}
+    state = {kind: mesh.whole_state(tensors, placements(model), axes=("ep",))  # whole experts; tp slices as they are
+             for kind, tensors in state.items()}
     state = state if mesh.grad_comm.rank == 0 else None
     saved = save_checkpoint(args.save, step, state, mesh, model.config, layout, optimizer.step_count,
                             training={**lr_schedule(args), **(scaler.state() if scaler else {})}, rank_state=own)
@@ -213,9 +211,7 @@ def full_state_dict(engine: Any, optimizer: Any, model: GPT, mesh: Mesh) -> dict
     model's as its float32 masters (the weights the run trained, as PyTorch's mixed precision saves them)."""
     names = {id(p): n for n, p in model.named_parameters()}
     local = {**engine.gathered_state_dict(), **optimizer.master_state(names)}
-    if mesh.tp > 1:
-        local = gather_tensor_parallel_state(local, model.config, mesh.tp_comm)
-    return stage_state(local, mesh.pp_comm) if mesh.pp > 1 else local
+    return stage_state(mesh.whole_state(local, placements(model), axes=("tp",)), mesh.pp_comm)
 
 
 class Interrupted(Exception):

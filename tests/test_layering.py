@@ -12,7 +12,7 @@ KERNELS = os.path.join(os.path.dirname(ROOT), "kernels")
 LAYERS = [
     ["minipar.backend", "minipar.safetensors_io", "minipar.kernels"],
     ["minipar.autograd", "minipar.ops", "minipar.comm", "minipar"],  # minipar: the package's __init__
-    ["minipar.nn", "minipar.trace", "minipar.data", "minipar.optim"],
+    ["minipar.nn", "minipar.placement", "minipar.trace", "minipar.data", "minipar.optim"],
     ["minipar.models"],
     ["minipar.parallel"],
     ["minipar.checkpoint", "minipar.plot"],

@@ -34,6 +34,9 @@ from minipar import ops
 from minipar.autograd import Tensor
 from minipar.backend import resolve_dtype, to_device, to_host, xp
 from minipar.nn import Linear, Module, Parameter
+from minipar.placement import Placement
+
+EXPERTS = Placement(experts=True)
 
 
 def route(probs: np.ndarray, k: int, capacity: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -154,7 +157,7 @@ class ExpertLinear(Module):
     def __init__(self, n_expert: int, n_in: int, n_out: int, dtype: Any):
         self.weight = Parameter(xp.zeros((n_expert, n_in, n_out), dtype=dtype))
         self.bias = Parameter(xp.zeros((n_expert, n_out), dtype=dtype))
-        self.weight.expert = self.bias.expert = True  # split over expert-parallel ranks along the first axis
+        self.weight.placement = self.bias.placement = EXPERTS  # split over expert-parallel ranks along the first axis
 
     def forward(self, x: Tensor) -> Tensor:
         return x @ self.weight + self.bias.reshape(self.bias.shape[0], 1, self.bias.shape[1])

@@ -280,7 +280,7 @@ def admit_across(mlp: MoEMLP, comm: Communicator, split: str, chosen: np.ndarray
 def context_parallel(model: GPT, comm: Communicator, kind: str = "ring", split: str = "zigzag") -> GPT:
     """Make ``model`` attend across the ``comm`` ranks that split each sequence (in place); returns it.
     ``model.context_work`` counts the attention work of this rank and its waits (ring attention)."""
-    tp = model.tp_comm.size if hasattr(model, "tp_comm") else 1
+    tp = max(p.placement.tp_size for p in model.parameters())  # the heads a rank has left after tensor parallelism
     check_context_parallel(model.config, comm.size, tp, kind, split)
     model.given_positions = lambda T: to_device(chunk_positions(comm.rank, comm.size, T, split))
     model.context_work = {"pairs": 0, "wait_s": 0.0}

@@ -20,7 +20,7 @@ bucket (no extra copy).
 Gradient accumulation: inside ``with model.no_sync():`` hooks do nothing and gradients simply
 accumulate in ``p.grad``; the next backward outside it averages the accumulated sum.
 
-Expert parameters (``p.expert``, see models/moe.py) under expert parallelism differ between the
+Expert parameters (``p.placement.experts``, see models/moe.py) under expert parallelism differ between the
 ranks of an ep group, so they reduce over ``expert_comm`` — the ranks holding the same experts —
 instead of ``comm``. Their gradient on a rank already sums the contributions of the ep ranks whose
 tokens it computed; averaging over the dp/ep expert replicas multiplies that sum by ep/dp, and the
@@ -85,14 +85,14 @@ def replica_groups(params: list[Parameter], comm: Communicator, expert_comm: Com
     """(parameters, the ranks holding identical copies of them, gradient scale after averaging there).
 
     Every gradient must end as the average over ``comm``'s loss replicas. Dense parameters: average
-    over ``comm``. Expert parameters (``p.expert``) with an ``expert_comm`` (the dp/ep ranks holding
+    over ``comm``. Expert parameters (``p.placement.experts``) with an ``expert_comm`` (the dp/ep ranks holding
     the same experts): average there, times expert_comm.size / comm.size = 1/ep (``expert_scale`` when
     both are only the sharding part of their replicas, as under hybrid sharding).
     """
     if expert_comm is None or expert_comm is comm:
         return [(params, comm, 1.0)]
-    dense = [p for p in params if not getattr(p, "expert", False)]
-    experts = [p for p in params if getattr(p, "expert", False)]
+    dense = [p for p in params if not p.placement.experts]
+    experts = [p for p in params if p.placement.experts]
     scale = expert_comm.size / comm.size if expert_scale is None else expert_scale
     return [(group, c, s) for group, c, s in ((dense, comm, 1.0), (experts, expert_comm, scale)) if group]
 

@@ -28,7 +28,7 @@ Gradients: an expert's weight gradient on its owner sums the ep ranks' token con
 dense parameters are replicated over all dp·cp replicas and the experts only over the dp·cp/ep ranks with
 the same ep rank (mesh.expert_grad_comm), so data_parallel.replica_groups averages each where it
 lives. For the global gradient norm (summed over ep ranks like over tp ranks) a dense parameter's
-squares count 1/ep on each ep rank (``norm_scale``).
+squares count 1/ep on each ep rank (its placement: minipar/placement.py).
 
 Under tensor parallelism each tp rank runs the MoE layers whole on the same (replicated) tokens and
 exchanges them with the ranks of its own tp coordinate.
@@ -161,18 +161,8 @@ def shard_expert_state(full: dict[str, np.ndarray], ep: int, rank: int, expert_n
     return {n: np.ascontiguousarray(np.array_split(v, ep)[rank]) if n in expert_names else v for n, v in full.items()}
 
 
-def gather_expert_state(local: dict[str, Any], comm: Communicator, expert_names: set[str]) -> dict[str, Any]:
-    """The full expert tensors from every ep rank's slice (one all-gather each, in name order); the rest as is."""
-    out = dict(local)
-    for name in sorted(n for n in local if n in expert_names):
-        value = np.ascontiguousarray(local[name])
-        out[name] = comm.all_gather(value.reshape(-1), label="checkpoint").reshape(comm.size * value.shape[0],
-                                                                                   *value.shape[1:])
-    return out
-
-
 def expert_names(model: Module) -> set[str]:
-    return {n for n, p in model.named_parameters() if getattr(p, "expert", False)}
+    return {n for n, p in model.named_parameters() if p.placement.experts}
 
 
 def expert_parallel(model: Module, comm: Communicator) -> Module:
@@ -187,13 +177,9 @@ def expert_parallel(model: Module, comm: Communicator) -> Module:
             for attr in ("weight", "bias"):
                 name = next(n for n, p in named.items() if p is getattr(linear, attr))
                 param = Parameter(to_device(local[name], dtype=getattr(linear, attr).dtype))
-                param.expert = True
-                if hasattr(getattr(linear, attr), "norm_scale"):
-                    param.norm_scale = getattr(linear, attr).norm_scale
+                param.placement = getattr(linear, attr).placement
                 setattr(linear, attr, param)
         mlp.run_experts = lambda padded, tokens, load, mlp=mlp: dispatch_to_owners(mlp, comm, padded, tokens, load)
-    for p in model.parameters():  # replicated over the ep ranks: count 1/ep of it on each in a global norm
-        if not getattr(p, "expert", False):
-            p.norm_scale = getattr(p, "norm_scale", 1.0) / ep
-    model.ep_comm = comm
+    for p in model.parameters():  # the experts split over ep, the rest whole on every ep rank (their placement)
+        p.placement = p.placement.placed(ep_size=ep)
     return model

@@ -32,7 +32,13 @@ Deep dive, with measurements: docs/pipeline.md.
 """
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
+
+from minipar.backend import to_host
 from minipar.comm import Communicator
+from minipar.placement import Placement
 
 AXES = ("pp", "dp", "cp", "tp")  # slowest to fastest
 
@@ -88,6 +94,35 @@ class Mesh:
             else:
                 color = color * self.sizes[axis] + coords[axis]
         return self.world.split(color=color, key=key, name=name or axes[0])
+
+    # ---- moving state between whole tensors and this rank's pieces, as each parameter's placement says
+    def local_state(self, full: dict[str, np.ndarray], placements: dict[str, Placement]) -> dict[str, np.ndarray]:
+        """This rank's piece of every tensor of ``full`` named in ``placements`` (its tp split, its experts)."""
+        out = {}
+        for name, placement in placements.items():
+            value = full[name]
+            if placement.tp is not None and self.tp > 1:
+                value = placement.tp.local(value, self.tp, self.tp_rank)
+            if placement.experts and self.ep > 1:
+                value = np.ascontiguousarray(np.array_split(value, self.ep)[self.ep_rank])
+            out[name] = value
+        return out
+
+    def whole_state(self, local: dict[str, Any], placements: dict[str, Placement], axes: tuple[str, ...] = ("tp", "ep")
+                    ) -> dict[str, Any]:
+        """The whole tensors from every rank's piece over ``axes`` — one all-gather per split tensor and axis (in
+        name order, the same on every rank); a tensor no axis splits is returned as it is."""
+        out = dict(local)
+        for name in sorted(local):
+            placement, value = placements[name], np.ascontiguousarray(to_host(local[name]))
+            if "tp" in axes and placement.tp is not None and self.tp > 1:
+                pieces = self.tp_comm.all_gather(value.reshape(-1), label="checkpoint").reshape(self.tp, *value.shape)
+                value = placement.tp.merge(list(pieces))
+            if "ep" in axes and placement.experts and self.ep > 1:
+                value = self.ep_comm.all_gather(value.reshape(-1), label="checkpoint").reshape(
+                    self.ep * value.shape[0], *value.shape[1:])
+            out[name] = value
+        return out
 
     def coordinates(self, rank: int) -> tuple[int, int, int, int]:
         """(pp_rank, dp_rank, cp_rank, tp_rank) of a world rank."""

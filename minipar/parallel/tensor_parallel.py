@@ -28,8 +28,8 @@ vocabulary columns are masked to −∞, so the loss is the unpadded one.
 Parameters that every tp rank holds whole (layer norms, wpe, row-parallel biases, mixture-of-experts
 MLPs, which run whole on the replicated tokens — under sequence parallelism on the gathered sequence:
 an all-gather of B·T·C in, this rank's shard out, an all-gather of its gradient back) receive
-identical gradients on every rank; ``norm_scale`` marks them so a global gradient norm counts
-them once.
+identical gradients on every rank; their placement (no tp split: minipar/placement.py) makes a global
+gradient norm count them once — as :func:`split_of` says, for every parameter, how it is split.
 
 Sequence parallelism (Megatron-SP, Korthikanti et al. 2022; ``sequence_parallel=True``). Between
 the tensor-parallel regions — layer norms, residual adds, dropout's place, the head's input — every
@@ -62,6 +62,7 @@ from minipar.backend import to_device, xp
 from minipar.comm import Communicator
 from minipar.models.gpt import GPT
 from minipar.nn import Module, Parameter
+from minipar.placement import Split
 
 
 class CopyToTensorParallel(Function):
@@ -175,7 +176,8 @@ class ColumnParallelLinear(Module):
     ``replicated=(start, group)``: the columns from ``start`` on are not this rank's alone but a copy held by every
     rank of ``group`` (a Llama's K/V head when tp > n_kv_head). Each rank's gradient of them covers its own query
     heads only, so an ``f`` over the group sums it (an all-reduce of in·(out − start) per step, label
-    ``tp_kv_replicas``), and a global norm counts each copy 1/|group|."""
+    ``tp_kv_replicas``); the weight's placement says which columns are shared (a global norm counts each copy
+    1/|group|)."""
 
     def __init__(self, weight: Any, bias: Any | None, comm: Communicator, sequence_parallel: bool = False,
                  replicated: tuple[int, Communicator] | None = None):
@@ -183,11 +185,6 @@ class ColumnParallelLinear(Module):
         self.bias = Parameter(bias) if bias is not None else None  # Llama's linears have none
         if replicated is not None and bias is not None:
             raise ValueError("replicated columns are implemented for bias-free layers (Llama's)")
-        for p in (self.weight, self.bias) if self.bias is not None else (self.weight,):
-            p.norm_scale = 1.0
-        if replicated is not None:
-            start, group = replicated
-            self.weight.norm_scale = xp.where(xp.arange(weight.shape[1]) < start, 1.0, 1.0 / group.size)
 
     def forward(self, x: Tensor) -> Tensor:
         x = GatherSequence.apply(x, self.comm) if self.sp else CopyToTensorParallel.apply(x, self.comm)
@@ -205,9 +202,6 @@ class RowParallelLinear(Module):
     def __init__(self, weight: Any, bias: Any | None, comm: Communicator, sequence_parallel: bool = False):
         self.weight, self.comm, self.sp = Parameter(weight), comm, sequence_parallel
         self.bias = Parameter(bias) if bias is not None else None
-        self.weight.norm_scale = 1.0
-        if self.bias is not None:
-            self.bias.norm_scale = 1.0 if comm.rank == 0 else 0.0
 
     def forward(self, x: Tensor) -> Tensor:
         if self.sp:
@@ -232,7 +226,6 @@ class VocabParallelEmbedding(Module):
 
     def __init__(self, weight: Any, vocab_start: int, n_valid: int, comm: Communicator, sequence_parallel: bool = False):
         self.weight, self.comm, self.sp = Parameter(weight), comm, sequence_parallel
-        self.weight.norm_scale = 1.0
         self.vocab_start, self.n_valid = vocab_start, n_valid  # n_valid < rows on the rank holding padding
 
     def forward(self, idx: Any) -> Tensor:
@@ -316,70 +309,37 @@ def _vocab_rows(cfg: Any, tp: int, rank: int) -> tuple[int, int, int]:
     return start, per_rank, max(0, min(per_rank, cfg.vocab_size - start))
 
 
-def _qkv_parts(cfg: Any, value: np.ndarray) -> list[np.ndarray]:
-    """The packed q | k | v columns (last axis) of c_attn as [q, k, v], each (…, heads, D): H query heads, then
-    K key and K value heads (K = H for GPT-2; grouped-query attention shares each K/V head among H/K queries)."""
-    H, K, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
-    return [part.reshape(*value.shape[:-1], n, D)
-            for part, n in zip(np.split(value, [H * D, (H + K) * D], axis=-1), (H, K, K))]
+def split_of(name: str, cfg: Any) -> Split | None:
+    """How tensor parallelism splits parameter ``name`` of a GPT-2 or Llama (None: whole on every tp rank) — the
+    one table of it, which the engine, checkpoints and exports read (placement.py). c_attn: its query heads
+    and its K/V heads (a shared one when tp > K); attn.c_proj: the rows of those query heads; c_fc: its columns
+    of each part (GPT-2: one, 4C wide; Llama: gate | up); mlp.c_proj: those rows; vocabulary tables: rows."""
+    H, K, D, W = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.mlp_width
+    if cfg.n_expert and ".mlp." in name:           # mixture-of-experts MLPs: whole on every tp rank
+        return None
+    if name in VOCAB_TABLES:
+        return Split(0, ((cfg.vocab_size, 1),), pad=True)
+    if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
+        return Split(-1, ((H, D), (K, D), (K, D)))
+    if name.endswith("attn.c_proj.weight"):
+        return Split(0, ((H, D),))
+    if name.endswith(("mlp.c_fc.weight", "mlp.c_fc.bias")):
+        return Split(-1, ((W, 1),) * cfg.mlp_parts)
+    if name.endswith("mlp.c_proj.weight"):
+        return Split(0, ((W, 1),))
+    return None                                     # norms, wpe, row-parallel biases
 
 
 def shard_state_dict(full: dict[str, np.ndarray], cfg: Any, tp: int, rank: int) -> dict[str, np.ndarray]:
-    """Rank ``rank``'s tensor-parallel slice of a full (single-process or Hugging Face) GPT or Llama state:
-    its query heads and key/value heads of c_attn (column), the same heads' rows of attn.c_proj (row), its
-    columns of each of c_fc's parts (GPT-2: one, 4C wide; Llama: gate | up) and those rows of mlp.c_proj,
-    its rows of the vocabulary tables. With fewer K/V heads than ranks (tp = j·K), rank r keeps K/V head
-    r·K // tp, which j ranks share."""
-    C, D, W, parts = cfg.n_embd, cfg.head_dim, cfg.mlp_width, cfg.mlp_parts
-    mine = lambda n: slice(rank * n // tp, rank * n // tp + max(1, n // tp))  # noqa: E731  (n < tp: one of n, shared)
-    start, per_rank, valid = _vocab_rows(cfg, tp, rank)
-    out = {}
-    for name, value in full.items():
-        if cfg.n_expert and ".mlp." in name:        # mixture-of-experts MLPs: whole on every tp rank
-            out[name] = value
-        elif name in VOCAB_TABLES:
-            table = np.zeros((per_rank, C), value.dtype)
-            table[:valid] = value[start:start + valid]
-            out[name] = table
-        elif name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):   # this rank's q, k and v heads
-            out[name] = np.concatenate([part[..., mine(part.shape[-2]), :].reshape(*value.shape[:-1], -1)
-                                        for part in _qkv_parts(cfg, value)], axis=-1)
-        elif name.endswith("attn.c_proj.weight"):   # rows = the concatenated heads
-            out[name] = value.reshape(cfg.n_head, D, C)[mine(cfg.n_head)].reshape(-1, C)
-        elif name.endswith(("mlp.c_fc.weight", "mlp.c_fc.bias")):
-            out[name] = value.reshape(*value.shape[:-1], parts, W)[..., mine(W)].reshape(*value.shape[:-1], -1)
-        elif name.endswith("mlp.c_proj.weight"):
-            out[name] = value[mine(W), :]
-        else:                                        # norms, wpe, row-parallel biases: whole
-            out[name] = value
-        out[name] = np.array(out[name], order="C")  # a copy: a view would keep the whole matrix alive
-    return out
+    """Rank ``rank``'s tensor-parallel slice of a full (single-process or Hugging Face) state (:func:`split_of`)."""
+    return {name: split.local(value, tp, rank) if (split := split_of(name, cfg)) else np.array(value, order="C")
+            for name, value in full.items()}  # copies: a view would keep the whole state alive
 
 
 def merge_state_dicts(shards: list[dict[str, np.ndarray]], cfg: Any) -> dict[str, np.ndarray]:
     """The inverse of :func:`shard_state_dict`: the full state from every rank's slice, in rank order."""
-    tp, H, K, D, parts = len(shards), cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.mlp_parts
-    out = {}
-    for name, value in shards[0].items():
-        pieces = [s[name] for s in shards]
-        if cfg.n_expert and ".mlp." in name:
-            out[name] = value
-        elif name in VOCAB_TABLES:
-            out[name] = np.concatenate(pieces)[:cfg.vocab_size]
-        elif name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
-            q, kv = H // tp, max(1, K // tp)
-            split = [np.split(piece, [q * D, (q + kv) * D], axis=-1) for piece in pieces]
-            holders = [r for r in range(tp) if r == 0 or r * K // tp != (r - 1) * K // tp]  # one copy of each K/V head
-            out[name] = np.concatenate([np.concatenate([split[r][j] for r in (range(tp) if j == 0 else holders)],
-                                                       axis=-1) for j in range(3)], axis=-1)
-        elif name.endswith(("attn.c_proj.weight", "mlp.c_proj.weight")):
-            out[name] = np.concatenate(pieces, axis=0)
-        elif name.endswith(("mlp.c_fc.weight", "mlp.c_fc.bias")):
-            lead = value.shape[:-1]
-            out[name] = np.concatenate([piece.reshape(*lead, parts, -1) for piece in pieces], axis=-1).reshape(*lead, -1)
-        else:
-            out[name] = value
-    return out
+    return {name: split.merge([s[name] for s in shards]) if (split := split_of(name, cfg)) else value
+            for name, value in shards[0].items()}
 
 
 def tensor_parallel(model: GPT, comm: Communicator, sequence_parallel: bool = False) -> GPT:
@@ -419,10 +379,8 @@ def tensor_parallel(model: GPT, comm: Communicator, sequence_parallel: bool = Fa
         if hasattr(model.transformer, "wpe"):  # learned positions (GPT-2; Llama rotates q and k instead)
             model.transformer.wpe = SequenceParallelPositions(model.transformer.wpe.weight, comm)
         model.sequence_shard = (rank, tp)
-    for p in model.parameters():  # whole on every tp rank: count once in a global norm
-        if not hasattr(p, "norm_scale"):
-            p.norm_scale = 1.0 if rank == 0 else 0.0
-    model.tp_comm = comm
+    for name, p in model.named_parameters():  # each parameter says where it lives
+        p.placement = p.placement.placed(tp=split_of(name, cfg), tp_size=tp)
     return model
 
 

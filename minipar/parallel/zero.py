@@ -93,7 +93,7 @@ class Shard:
         self.state_dtype = xp.float32 if is_low_precision(bucket.dtype) else bucket.dtype  # mixed: fp32 master, m, v
         # per-element AdamW decay (matrices only, as minipar.optim does) and grad-norm weights (tensor_parallel.py)
         self.weight_decay = self._per_element([weight_decay if len(s) >= 2 else 0.0 for s in bucket.shapes])
-        self.norm_scale = self._per_element([getattr(p, "norm_scale", 1.0) for p in bucket.params])
+        self.norm_weight = self._per_element([p.norm_weight for p in bucket.params])
         self.params: Any = None   # this rank's parameter slice (a view into the full flat buffer for stages 1-2)
         self.flat: Any = None     # stages 1-2: the full flat parameters that p.data are views of
         self.grad: Any = None     # this rank's reduced gradient slice
@@ -306,7 +306,7 @@ class ZeRO(ReplicatedModel, Optimizer):
     def clip_grad_norm(self, max_norm: float, sum_squares: Callable[[Any], Any] = lambda s: s) -> Any:
         """Global norm from the shards: Σg² per rank, summed over each replica group's ZeRO ranks with one
         scalar all-reduce (then over other groups by ``sum_squares``, e.g. tensor-parallel ranks)."""
-        holders = [_GradHolder(s.grad, s.norm_scale, s.comm) for s in self.shards if s.grad is not None]
+        holders = [_GradHolder(s.grad, s.norm_weight, s.comm) for s in self.shards if s.grad is not None]
         local = 0.0
         for comm in dict.fromkeys(s.comm for s in self.shards):
             squares = sum_of_squares(h for h in holders if h.comm is comm)
@@ -403,5 +403,5 @@ class ZeRO(ReplicatedModel, Optimizer):
 class _GradHolder:
     """Lets clip_grad_norm treat a gradient shard like a parameter's ``.grad``."""
 
-    def __init__(self, grad: Any, norm_scale: Any, comm: Communicator):
-        self.grad, self.norm_scale, self.comm = grad, norm_scale, comm
+    def __init__(self, grad: Any, norm_weight: Any, comm: Communicator):
+        self.grad, self.norm_weight, self.comm = grad, norm_weight, comm
