@@ -85,7 +85,7 @@ for rank in range(N):
     (ref_loss * (1.0 / N)).backward()
 mine = slice(mesh.ep_rank * 2, mesh.ep_rank * 2 + 2)
 for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
-    np.testing.assert_allclose(p.grad, ref.grad[mine] if getattr(p, "expert", False) else ref.grad,
+    np.testing.assert_allclose(p.grad, ref.grad[mine] if p.placement.experts else ref.grad,
                                rtol=1e-9, atol=1e-13, err_msg=name)
 groups = comm.mpi.gather((sorted(mesh.ep_comm.mpi.allgather(r)), sorted(mesh.expert_grad_comm.mpi.allgather(r))))
 for rank, (ep_group, replicas) in enumerate(groups or []):
