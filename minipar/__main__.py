@@ -269,6 +269,7 @@ def fail(command: str, error: BaseException, agree: Any) -> int:
 
             time.sleep(0.5)  # let mpiexec forward the line: MPI_Abort's kill can overtake the rank's output
             MPI.COMM_WORLD.Abort(2)
+            os._exit(2)  # should MPI_Abort come back (seen once under load), the loop must not print again
         time.sleep(0.005)
     messages = agree.gather(message, root=0)  # every rank failed here: rank 0 speaks for all
     if agree.Get_rank() == 0:

@@ -148,6 +148,7 @@ def start_watchdog(timeout: float) -> None:
                       f"did not answer (--comm-timeout {_WAITS.timeout:g}); aborting the job", file=sys.stderr, flush=True)
                 time.sleep(0.5)  # let mpiexec forward the line: MPI_Abort's kill can overtake the rank's output
                 MPI.COMM_WORLD.Abort(3)
+                os._exit(3)  # should MPI_Abort come back, this loop must not report again
 
     threading.Thread(target=watch, name="minipar-watchdog", daemon=True).start()
 
