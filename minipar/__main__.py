@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 (whatever failed, no rank may be left waiting)
-        from minipar.train import Interrupted
+        from minipar.cli import Interrupted
 
         if isinstance(e, Interrupted):
             return 128 + e.signum  # stopped on request at a step's end: 130 for SIGINT, 143 for SIGTERM

@@ -5,20 +5,29 @@ format itself lives below everything, in :mod:`minipar.safetensors_io`.
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import glob
 import hashlib
 import json
 import os
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from minipar.models import config_from_dict
 from minipar.parallel.layout import Layout
 from minipar.parallel.tensor_parallel import merge_state_dicts
+from minipar.data import save_tokenizer
 from minipar.safetensors_io import atomic_write, decode_safetensors, encode_safetensors
+
+if TYPE_CHECKING:  # annotations only
+    from minipar.comm import Communicator
+    from minipar.models.gpt import GPT
+    from minipar.optim import LossScaler
+    from minipar.parallel.local_sgd import LocalSGD
+    from minipar.parallel.mesh import Mesh
 
 # ------------------------------------------------------------------- sharded training checkpoints
 #
@@ -223,3 +232,71 @@ def prune_checkpoints(root: str, keep_last: int) -> list[str]:
     for directory in doomed:
         shutil.rmtree(directory)
     return doomed
+
+
+# ------------------------------------------------------------------- a training run's checkpoints
+
+
+def placements(model: GPT) -> dict[str, Any]:
+    return {name: p.placement for name, p in model.named_parameters()}
+
+
+def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoint) -> None:
+    """Adam's moments from a checkpoint of any layout: this rank's pieces of the full tensors."""
+    moments = [resumed.exp_avg, resumed.exp_avg_sq, resumed.params]  # params: the float32 masters of a 16-bit model
+    moments = [mesh.local_state(m, placements(model)) for m in moments]
+    optimizer.import_state(*moments[:2], {id(p): n for n, p in model.named_parameters()}, resumed.optimizer_step,
+                           master=moments[2])
+
+
+def lr_schedule(args: argparse.Namespace) -> dict[str, float]:
+    """What decides the learning rate of every step: a checkpoint keeps it, a resumed run that differs says so."""
+    return {"lr": args.lr, "min_lr": args.min_lr, "warmup": args.warmup, "decay_steps": args.decay_steps}
+
+
+def restore_training_state(resumed: Checkpoint, layout: Layout, world: Communicator, model: GPT, engine: Any,
+                           optimizer: Any, scaler: LossScaler | None, local_sgd: LocalSGD | None, progress: Any,
+                           schedule: dict[str, float]) -> None:
+    """The loss scaler's state, and each rank's own state when the layout is the one it was saved in (a
+    compressor's error feedback belongs to its rank's buckets, local SGD's replica to its rank); in another
+    layout that starts afresh, said once. A ``schedule`` (this run's learning rates) other than the saved one
+    is said too."""
+    if scaler and "loss_scale" in resumed.training:
+        scaler.load_state(resumed.training)
+    saved = {name: resumed.training[name] for name in schedule if name in resumed.training}
+    if saved and saved != schedule:
+        progress.note(f"{resumed.path} was trained on another learning-rate schedule: "
+                      + ", ".join(f"--{n.replace('_', '-')} {saved[n]:g} there, {v:g} here"
+                                  for n, v in schedule.items() if saved.get(n) != v)
+                      + f" (the rate changes from step {resumed.step + 1})")
+    if resumed.rank_files:
+        if resumed.layout == layout and len(resumed.rank_files) == world.size:
+            own = resumed.rank_state(world.rank)
+            engine.load_rank_state(own)
+            if local_sgd:
+                local_sgd.import_state(own, optimizer, {id(p): n for n, p in model.named_parameters()})
+        else:
+            progress.note(f"{resumed.path} was saved as {resumed.layout}: the per-rank state (error feedback, local "
+                          "SGD's replicas) starts afresh in this layout")
+
+
+def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any, model: GPT, mesh: Mesh,
+               layout: Layout, scaler: LossScaler | None, local_sgd: LocalSGD | None, tokenizer: str | None) -> str:
+    """Save parameters and AdamW state in this layout (the first replica of each (pp, tp) slice writes them), the
+    loss scaler's state, what only each rank holds (a compressor's error feedback; local SGD's replica), and the
+    tokenizer files (``tokenizer``'s BPE, or bytes), so that a resumed run, generate and export encode alike."""
+    if mesh.world.rank == 0:  # before the manifest: a checkpoint that has one is complete
+        os.makedirs(step_path(args.save, step), exist_ok=True)
+        save_tokenizer(step_path(args.save, step), model.config.vocab_size, model.config.block_size, tokenizer)
+    names = {id(p): n for n, p in model.named_parameters()}
+    own = {**engine.rank_state(), **(local_sgd.export_state(optimizer, names) if local_sgd else {})}
+    params = {**engine.gathered_state_dict(), **optimizer.master_state(names)}  # a 16-bit model's float32 masters
+    state = {"param": params, **optimizer.export_state(names)}
+    state = {kind: mesh.whole_state(tensors, placements(model), axes=("ep",))  # whole experts; tp slices as they are
+             for kind, tensors in state.items()}
+    state = state if mesh.grad_comm.rank == 0 else None
+    saved = save_checkpoint(args.save, step, state, mesh, model.config, layout, optimizer.step_count,
+                            training={**lr_schedule(args), **(scaler.state() if scaler else {})}, rank_state=own)
+    if mesh.world.rank == 0:
+        prune_checkpoints(args.save, args.keep_last)
+    return saved

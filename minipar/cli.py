@@ -11,15 +11,19 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 
 from minipar.backend import KERNEL_MODES, memory_available
 from minipar.checkpoint import Checkpoint
 from minipar.comm import Communicator
+from minipar.data import Batches, load_tokens, split_tokens, tokenizer_for
 from minipar.models import config_from_hf
 from minipar.models.gpt import RECOMPUTE, GPTConfig
 from minipar.models.llama import LlamaConfig
@@ -29,6 +33,11 @@ from minipar.parallel.context_parallel import KINDS as CP_KINDS
 from minipar.parallel.context_parallel import SPLITS as CP_SPLITS
 from minipar.parallel.layout import Layout
 from minipar.parallel.schedules import SCHEDULES
+
+if TYPE_CHECKING:  # annotations only
+    from minipar.parallel.local_sgd import LocalSGD
+    from minipar.parallel.mesh import Mesh
+    from minipar.parallel.pipeline import Pipeline
 
 
 class HelpWithDefaults(argparse.HelpFormatter):
@@ -484,3 +493,90 @@ def check_ranks_agree(world: Communicator, what: str, values: dict[str, Any]) ->
             per_rank = ", ".join(f"{json.loads(v) if v != 'null' else 'not given'} on rank {r}"
                                  for r, v in enumerate(seen[:8]))
             raise ValueError(f"ranks' {what} differ: {flag}{per_rank}{', ...' if len(seen) > 8 else ''}")
+
+
+class Interrupted(Exception):
+    """SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) arrived: every rank finished the same step, the job
+    checkpointed (with --save) and stops; ``signum`` gives the exit status 128 + signum."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
+class InterruptWatch:
+    """SIGINT and SIGTERM set a flag on the rank that gets them (a second one stops at once: KeyboardInterrupt);
+    after each step the ranks agree with one 8-byte all-reduce (the larger signal number), so all of them finish
+    that step, checkpoint (with --save) and stop together."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, world: Communicator):
+        self.world, self.signum = world, 0
+        self.previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
+
+    def _handler(self, signum: int, frame: Any) -> None:
+        if self.signum:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def request(self, signum: int) -> None:
+        """Stop at this step's end as if ``signum`` had arrived (SIGPIPE: rank 0's reader went away)."""
+        self.signum = self.signum or signum
+
+    def requested(self) -> int:
+        """The signal every rank agrees on after this step (0: none)."""
+        if self.world.size == 1:
+            return self.signum
+        return int(self.world.all_reduce(np.array([float(self.signum)]), op="max", label="interrupt")[0])
+
+    def close(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def step_record(step: int, args: argparse.Namespace, loss: float, norm: float, ms: float, world: Communicator,
+                comms: list[Communicator], engine: Any, local_sgd: LocalSGD | None, outer_round: bool,
+                state_bytes: dict[str, int], pipeline: Pipeline, mesh: Mesh, lr: float, tokens: int,
+                activation_bytes: dict[str, int]) -> dict[str, Any]:
+    by_op: dict[str, Any] = {}
+    for c in comms:
+        for k, v in c.stats.items():
+            by_op.setdefault(k, {"bytes": 0, "calls": 0, "algorithm": None})
+            by_op[k]["bytes"] += v.bytes
+            by_op[k]["calls"] += v.calls
+            by_op[k]["algorithm"] = v.algorithm or by_op[k]["algorithm"]
+    return {"step": step + 1, "steps": args.steps, "loss": loss, "lr": lr, "grad_norm": norm,
+            "tokens": tokens, "tokens_per_s": tokens / (ms / 1e3), "ms": ms, "world": world.size,
+            "comm_bytes": sum(by_op.get(k, {"bytes": 0})["bytes"] for k in ("grads", "params")),
+            "comm_formula_bytes": (engine.formula_bytes() if not local_sgd else
+                                   local_sgd.formula_bytes_per_round() * outer_round) if mesh.grad_comm.size > 1 else 0.0,
+            "comm_bytes_by_op": {k: v["bytes"] for k, v in by_op.items()},
+            "comm_calls_by_op": {k: v["calls"] for k, v in by_op.items()},
+            "comm_algorithm_by_op": {k: v["algorithm"] for k, v in by_op.items() if v["algorithm"]},
+            "model_state_bytes": state_bytes, "activation_bytes": dict(activation_bytes),
+            "pipeline": pipeline.stats}
+
+
+def tokenizer_source(args: argparse.Namespace, resumed: Checkpoint | None) -> str | None:
+    """The directory whose tokenizer files the run encodes with: a resumed checkpoint's, or --init-from's."""
+    return resumed.path if resumed is not None else args.init_from
+
+
+def load_data(args: argparse.Namespace, cfg: GPTConfig, resumed: Checkpoint | None
+              ) -> tuple[np.ndarray, Batches, Batches | None, str | None]:
+    """(all tokens, training batches, validation batches or None, a note on rank 0's first lines or None). The
+    tokens are bytes, or the BPE ids of the tokenizer a resumed checkpoint or --init-from directory came with."""
+    block = cfg.block_size
+    tokens = load_tokens(args.data, tokenizer_for(tokenizer_source(args, resumed), cfg.vocab_size))
+    source = args.data or "the default corpus"
+    train_tokens, val_tokens = split_tokens(tokens)
+    if len(train_tokens) < block + 2:
+        raise ValueError(f"{source} has {len(tokens)} tokens: its training split (the first 90%, {len(train_tokens)} "
+                         f"tokens) needs at least block_size + 2 = {block + 2}; use more data or a smaller --block-size")
+    batches = Batches(train_tokens, args.batch_size, block, seed=args.seed)
+    if len(val_tokens) < block + 2:
+        note = (f"note: the validation split of {source} (the last 10%, {len(val_tokens)} tokens) is shorter than "
+                f"block_size + 2 = {block + 2}: no validation loss") if args.eval_interval else None
+        return tokens, batches, None, note
+    return tokens, batches, Batches(val_tokens, args.batch_size, block, seed=args.seed + 1), None

@@ -189,3 +189,18 @@ class Embedding(Module):
 
     def cross_entropy(self, logits: Tensor, targets: Any) -> Tensor:
         return ops.cross_entropy(logits, targets)
+
+
+def count_layer_norm_bytes(model: Module) -> dict[str, int]:
+    """A counter of the bytes of every layer-norm output this rank computes — the (B, T, C) residual-stream
+    tensors, (B, T/tp, C) under sequence parallelism — filled by forward hooks; the loop resets it per step."""
+    counter = {"layer_norm": 0}
+
+    def count(module: Any, out: Any) -> Any:
+        counter["layer_norm"] += out.data.nbytes
+        return out
+
+    for module in model.modules():
+        if isinstance(module, LayerNorm):  # RMSNorm too
+            module.register_forward_hook(count)
+    return counter

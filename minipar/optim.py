@@ -220,3 +220,14 @@ def scale_to_norm(held: Iterable[Any], norm: Any, max_norm: float) -> None:
         scale = xp.where(norm > max_norm, max_norm / (norm + 1e-6), 1.0)
         for p in held:
             p.grad *= scale.astype(p.grad.dtype)
+
+
+def group_sum(*comms: Any) -> Callable[[Any], Any]:
+    """s -> Σ over the ranks of each of ``comms`` in turn (skipping single ranks): a gradient norm's squares
+    across the axes that split the parameters (tp, pp, ep)."""
+    def total(s: Any) -> Any:
+        for comm in comms:
+            if comm.size > 1:
+                s = comm.all_reduce(xp.asarray(s, dtype=xp.float64).reshape(1), label="grad_norm")[0]
+        return s
+    return total

@@ -19,7 +19,6 @@ import argparse
 import dataclasses
 import hashlib
 import math
-import os
 import signal
 import time
 import tracemalloc
@@ -27,25 +26,25 @@ from typing import Any
 
 import numpy as np
 
-from minipar import trace
-from minipar.backend import set_device, set_kernels, xp
-from minipar.checkpoint import Checkpoint, load_checkpoint, prune_checkpoints, save_checkpoint, step_path
-from minipar.cli import Progress, check_ranks_agree, choose_layout, validate
+from minipar import models, trace
+from minipar.backend import set_device, set_kernels
+from minipar.checkpoint import (Checkpoint, checkpoint, load_checkpoint, lr_schedule, placements, restore_optimizer,
+                                restore_training_state)
+from minipar.cli import (InterruptWatch, Interrupted, Progress, check_ranks_agree, choose_layout, load_data, step_record,
+                         tokenizer_source, validate)
 from minipar.comm import Communicator, start_watchdog
-from minipar.data import Batches, load_tokens, save_tokenizer, shard_rows, split_tokens, tokenizer_for
-from minipar import models
+from minipar.data import Batches, shard_rows
 from minipar.models.gpt import GPT, GPTConfig
-from minipar.optim import AdamW, LossScaler, cosine_lr
+from minipar.nn import count_layer_norm_bytes
+from minipar.optim import AdamW, LossScaler, cosine_lr, group_sum
 from minipar.parallel.compression import make_compressor
-from minipar.parallel.context_parallel import context_parallel, context_slice
+from minipar.parallel.context_parallel import context_parallel, context_report, context_slice
 from minipar.parallel.data_parallel import DataParallel
-from minipar.parallel.expert_parallel import (expert_parallel, expert_report, moe_layers)
+from minipar.parallel.expert_parallel import expert_parallel, expert_report, moe_layers
 from minipar.parallel.local_sgd import LocalSGD
-from minipar.parallel.layout import Layout
 from minipar.parallel.mesh import Mesh
 from minipar.parallel.pipeline import Pipeline, stage_state
-from minipar.nn import LayerNorm
-from minipar.parallel.tensor_parallel import (tensor_parallel)
+from minipar.parallel.tensor_parallel import tensor_parallel
 from minipar.parallel.zero import ZeRO
 
 
@@ -63,71 +62,6 @@ def build_model(args: argparse.Namespace, cfg: GPTConfig, mesh: Mesh, resumed: C
         model = expert_parallel(model, mesh.ep_comm)
     model.set_recompute(args.recompute)
     return context_parallel(model, mesh.cp_comm, args.cp_kind, args.cp_split) if mesh.cp > 1 else model
-
-
-def placements(model: GPT) -> dict[str, Any]:
-    return {name: p.placement for name, p in model.named_parameters()}
-
-
-def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoint) -> None:
-    """Adam's moments from a checkpoint of any layout: this rank's pieces of the full tensors."""
-    moments = [resumed.exp_avg, resumed.exp_avg_sq, resumed.params]  # params: the float32 masters of a 16-bit model
-    moments = [mesh.local_state(m, placements(model)) for m in moments]
-    optimizer.import_state(*moments[:2], {id(p): n for n, p in model.named_parameters()}, resumed.optimizer_step,
-                           master=moments[2])
-
-
-def lr_schedule(args: argparse.Namespace) -> dict[str, float]:
-    """What decides the learning rate of every step: a checkpoint keeps it, a resumed run that differs says so."""
-    return {"lr": args.lr, "min_lr": args.min_lr, "warmup": args.warmup, "decay_steps": args.decay_steps}
-
-
-def restore_training_state(resumed: Checkpoint, layout: Layout, world: Communicator, model: GPT, engine: Any,
-                           optimizer: Any, scaler: LossScaler | None, local_sgd: LocalSGD | None, progress: Any,
-                           schedule: dict[str, float]) -> None:
-    """The loss scaler's state, and each rank's own state when the layout is the one it was saved in (a
-    compressor's error feedback belongs to its rank's buckets, local SGD's replica to its rank); in another
-    layout that starts afresh, said once. A ``schedule`` (this run's learning rates) other than the saved one
-    is said too."""
-    if scaler and "loss_scale" in resumed.training:
-        scaler.load_state(resumed.training)
-    saved = {name: resumed.training[name] for name in schedule if name in resumed.training}
-    if saved and saved != schedule:
-        progress.note(f"{resumed.path} was trained on another learning-rate schedule: "
-                      + ", ".join(f"--{n.replace('_', '-')} {saved[n]:g} there, {v:g} here"
-                                  for n, v in schedule.items() if saved.get(n) != v)
-                      + f" (the rate changes from step {resumed.step + 1})")
-    if resumed.rank_files:
-        if resumed.layout == layout and len(resumed.rank_files) == world.size:
-            own = resumed.rank_state(world.rank)
-            engine.load_rank_state(own)
-            if local_sgd:
-                local_sgd.import_state(own, optimizer, {id(p): n for n, p in model.named_parameters()})
-        else:
-            progress.note(f"{resumed.path} was saved as {resumed.layout}: the per-rank state (error feedback, local "
-                          "SGD's replicas) starts afresh in this layout")
-
-
-def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any, model: GPT, mesh: Mesh,
-               layout: Layout, scaler: LossScaler | None, local_sgd: LocalSGD | None, tokenizer: str | None) -> str:
-    """Save parameters and AdamW state in this layout (the first replica of each (pp, tp) slice writes them), the
-    loss scaler's state, what only each rank holds (a compressor's error feedback; local SGD's replica), and the
-    tokenizer files (``tokenizer``'s BPE, or bytes), so that a resumed run, generate and export encode alike."""
-    if mesh.world.rank == 0:  # before the manifest: a checkpoint that has one is complete
-        os.makedirs(step_path(args.save, step), exist_ok=True)
-        save_tokenizer(step_path(args.save, step), model.config.vocab_size, model.config.block_size, tokenizer)
-    names = {id(p): n for n, p in model.named_parameters()}
-    own = {**engine.rank_state(), **(local_sgd.export_state(optimizer, names) if local_sgd else {})}
-    params = {**engine.gathered_state_dict(), **optimizer.master_state(names)}  # a 16-bit model's float32 masters
-    state = {"param": params, **optimizer.export_state(names)}
-    state = {kind: mesh.whole_state(tensors, placements(model), axes=("ep",))  # whole experts; tp slices as they are
-             for kind, tensors in state.items()}
-    state = state if mesh.grad_comm.rank == 0 else None
-    saved = save_checkpoint(args.save, step, state, mesh, model.config, layout, optimizer.step_count,
-                            training={**lr_schedule(args), **(scaler.state() if scaler else {})}, rank_state=own)
-    if mesh.world.rank == 0:
-        prune_checkpoints(args.save, args.keep_last)
-    return saved
 
 
 def build_engine(model: GPT, mesh: Mesh, args: argparse.Namespace) -> tuple[Any, Any]:
@@ -153,30 +87,6 @@ def build_engine(model: GPT, mesh: Mesh, args: argparse.Namespace) -> tuple[Any,
             AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay))
 
 
-def count_layer_norm_bytes(model: GPT) -> dict[str, int]:
-    """A counter of the bytes of every layer-norm output this rank computes — the (B, T, C) residual-stream
-    tensors, (B, T/tp, C) under sequence parallelism — filled by forward hooks; the loop resets it per step."""
-    counter = {"layer_norm": 0}
-
-    def count(module: Any, out: Any) -> Any:
-        counter["layer_norm"] += out.data.nbytes
-        return out
-
-    for module in model.modules():
-        if isinstance(module, LayerNorm):  # RMSNorm too
-            module.register_forward_hook(count)
-    return counter
-
-
-def context_report(model: GPT, cp_comm: Communicator) -> dict[str, float]:
-    """Ring attention's balance across the cp ranks this step: (query, key) pairs scored, max and min over the
-    ranks, and the forward's exposed communication (ms, the slowest rank)."""
-    work = model.context_work
-    gathered = cp_comm.all_gather(np.array([work["pairs"], work["wait_s"]], np.float64), label="cp_report").reshape(-1, 2)
-    return {"attention_pairs_max": float(gathered[:, 0].max()), "attention_pairs_min": float(gathered[:, 0].min()),
-            "ring_wait_ms": float(gathered[:, 1].max() * 1e3)}
-
-
 def mean_loss(losses: list[float], mesh: Mesh) -> float:
     """The global mean of per-microbatch losses that live on the last pipeline stage of every replica (each
     dp·cp rank's loss is the mean over as many tokens, so the average of theirs is the mean over all)."""
@@ -195,110 +105,12 @@ def evaluate(engine: Any, pipeline: Pipeline, mesh: Mesh, batches: Batches, n_ba
     return mean_loss(losses, mesh)
 
 
-def group_sum(*comms: Communicator):
-    """s -> Σ over the ranks of each of ``comms`` in turn (skipping single ranks): a gradient norm's squares
-    across the axes that split the parameters (tp, pp, ep)."""
-    def total(s: Any) -> Any:
-        for comm in comms:
-            if comm.size > 1:
-                s = comm.all_reduce(xp.asarray(s, dtype=xp.float64).reshape(1), label="grad_norm")[0]
-        return s
-    return total
-
-
 def full_state_dict(engine: Any, optimizer: Any, model: GPT, mesh: Mesh) -> dict[str, np.ndarray]:
     """Every parameter whole, on every rank: gathered over the ZeRO shards, the tp slices, the pp stages — a 16-bit
     model's as its float32 masters (the weights the run trained, as PyTorch's mixed precision saves them)."""
     names = {id(p): n for n, p in model.named_parameters()}
     local = {**engine.gathered_state_dict(), **optimizer.master_state(names)}
     return stage_state(mesh.whole_state(local, placements(model), axes=("tp",)), mesh.pp_comm)
-
-
-class Interrupted(Exception):
-    """SIGINT (Ctrl-C) or SIGTERM (a scheduler's preemption) arrived: every rank finished the same step, the job
-    checkpointed (with --save) and stops; ``signum`` gives the exit status 128 + signum."""
-
-    def __init__(self, signum: int, message: str):
-        super().__init__(message)
-        self.signum = signum
-
-
-class InterruptWatch:
-    """SIGINT and SIGTERM set a flag on the rank that gets them (a second one stops at once: KeyboardInterrupt);
-    after each step the ranks agree with one 8-byte all-reduce (the larger signal number), so all of them finish
-    that step, checkpoint (with --save) and stop together."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self, world: Communicator):
-        self.world, self.signum = world, 0
-        self.previous = {s: signal.signal(s, self._handler) for s in self.SIGNALS}
-
-    def _handler(self, signum: int, frame: Any) -> None:
-        if self.signum:
-            raise KeyboardInterrupt
-        self.signum = signum
-
-    def request(self, signum: int) -> None:
-        """Stop at this step's end as if ``signum`` had arrived (SIGPIPE: rank 0's reader went away)."""
-        self.signum = self.signum or signum
-
-    def requested(self) -> int:
-        """The signal every rank agrees on after this step (0: none)."""
-        if self.world.size == 1:
-            return self.signum
-        return int(self.world.all_reduce(np.array([float(self.signum)]), op="max", label="interrupt")[0])
-
-    def close(self) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-def step_record(step: int, args: argparse.Namespace, loss: float, norm: float, ms: float, world: Communicator,
-                comms: list[Communicator], engine: Any, local_sgd: LocalSGD | None, outer_round: bool,
-                state_bytes: dict[str, int], pipeline: Pipeline, mesh: Mesh, lr: float, tokens: int,
-                activation_bytes: dict[str, int]) -> dict[str, Any]:
-    by_op: dict[str, Any] = {}
-    for c in comms:
-        for k, v in c.stats.items():
-            by_op.setdefault(k, {"bytes": 0, "calls": 0, "algorithm": None})
-            by_op[k]["bytes"] += v.bytes
-            by_op[k]["calls"] += v.calls
-            by_op[k]["algorithm"] = v.algorithm or by_op[k]["algorithm"]
-    return {"step": step + 1, "steps": args.steps, "loss": loss, "lr": lr, "grad_norm": norm,
-            "tokens": tokens, "tokens_per_s": tokens / (ms / 1e3), "ms": ms, "world": world.size,
-            "comm_bytes": sum(by_op.get(k, {"bytes": 0})["bytes"] for k in ("grads", "params")),
-            "comm_formula_bytes": (engine.formula_bytes() if not local_sgd else
-                                   local_sgd.formula_bytes_per_round() * outer_round) if mesh.grad_comm.size > 1 else 0.0,
-            "comm_bytes_by_op": {k: v["bytes"] for k, v in by_op.items()},
-            "comm_calls_by_op": {k: v["calls"] for k, v in by_op.items()},
-            "comm_algorithm_by_op": {k: v["algorithm"] for k, v in by_op.items() if v["algorithm"]},
-            "model_state_bytes": state_bytes, "activation_bytes": dict(activation_bytes),
-            "pipeline": pipeline.stats}
-
-
-def tokenizer_source(args: argparse.Namespace, resumed: Checkpoint | None) -> str | None:
-    """The directory whose tokenizer files the run encodes with: a resumed checkpoint's, or --init-from's."""
-    return resumed.path if resumed is not None else args.init_from
-
-
-def load_data(args: argparse.Namespace, cfg: GPTConfig, resumed: Checkpoint | None
-              ) -> tuple[np.ndarray, Batches, Batches | None, str | None]:
-    """(all tokens, training batches, validation batches or None, a note on rank 0's first lines or None). The
-    tokens are bytes, or the BPE ids of the tokenizer a resumed checkpoint or --init-from directory came with."""
-    block = cfg.block_size
-    tokens = load_tokens(args.data, tokenizer_for(tokenizer_source(args, resumed), cfg.vocab_size))
-    source = args.data or "the default corpus"
-    train_tokens, val_tokens = split_tokens(tokens)
-    if len(train_tokens) < block + 2:
-        raise ValueError(f"{source} has {len(tokens)} tokens: its training split (the first 90%, {len(train_tokens)} "
-                         f"tokens) needs at least block_size + 2 = {block + 2}; use more data or a smaller --block-size")
-    batches = Batches(train_tokens, args.batch_size, block, seed=args.seed)
-    if len(val_tokens) < block + 2:
-        note = (f"note: the validation split of {source} (the last 10%, {len(val_tokens)} tokens) is shorter than "
-                f"block_size + 2 = {block + 2}: no validation loss") if args.eval_interval else None
-        return tokens, batches, None, note
-    return tokens, batches, Batches(val_tokens, args.batch_size, block, seed=args.seed + 1), None
 
 
 def train(args: argparse.Namespace) -> list[dict[str, Any]]:

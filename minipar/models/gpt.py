@@ -139,12 +139,15 @@ class MLP(Module):
 
 
 class Block(Module):
+    # the three pieces an architecture chooses (models/llama.py: RMSNorm, RotaryAttention, SwiGLUMLP)
+    Norm, Attention, DenseMLP = LayerNorm, CausalSelfAttention, MLP
+
     def __init__(self, cfg: GPTConfig, layer: int):
-        self.ln_1 = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
-        self.attn = CausalSelfAttention(cfg, layer)
-        self.ln_2 = LayerNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
+        self.ln_1 = self.Norm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
+        self.attn = self.Attention(cfg, layer)
+        self.ln_2 = self.Norm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
         self.mlp = MoEMLP(cfg.n_embd, cfg.n_expert, cfg.expert_top_k, cfg.capacity_factor, cfg.dtype) \
-            if cfg.n_expert else MLP(cfg)
+            if cfg.n_expert else self.DenseMLP(cfg)
 
     recompute = False  # full recomputation: keep only the block's input, run it again in backward
 

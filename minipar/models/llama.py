@@ -36,7 +36,6 @@ from minipar.autograd import Tensor
 from minipar.backend import xp
 from minipar.data import save_tokenizer
 from minipar.models.gpt import GPT, Block, CausalSelfAttention, GPTConfig, read_hf_config
-from minipar.models.moe import MoEMLP
 from minipar.nn import Embedding, Linear, Module, ModuleList, RMSNorm
 from minipar.safetensors_io import (DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, stored_dtypes,
                                     write_hf_weights)
@@ -151,14 +150,9 @@ class SwiGLUMLP(Module):
 
 
 class LlamaBlock(Block):
-    """GPT-2's block (pre-norm residuals, full recomputation) with Llama's norm, attention and MLP."""
+    """GPT-2's block (pre-norm residuals, MoE layers, full recomputation) with Llama's norm, attention and MLP."""
 
-    def __init__(self, cfg: LlamaConfig, layer: int):
-        self.ln_1 = RMSNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
-        self.attn = RotaryAttention(cfg, layer)
-        self.ln_2 = RMSNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
-        self.mlp = MoEMLP(cfg.n_embd, cfg.n_expert, cfg.expert_top_k, cfg.capacity_factor, cfg.dtype) \
-            if cfg.n_expert else SwiGLUMLP(cfg)
+    Norm, Attention, DenseMLP = RMSNorm, RotaryAttention, SwiGLUMLP
 
 
 class LlamaTransformer(Module):

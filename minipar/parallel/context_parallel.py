@@ -289,3 +289,12 @@ def context_parallel(model: GPT, comm: Communicator, kind: str = "ring", split: 
         if isinstance(block.mlp, MoEMLP):
             block.mlp.admit = lambda chosen, mlp=block.mlp: admit_across(mlp, comm, split, chosen)
     return model
+
+
+def context_report(model: GPT, cp_comm: Communicator) -> dict[str, float]:
+    """Ring attention's balance across the cp ranks this step: (query, key) pairs scored, max and min over the
+    ranks, and the forward's exposed communication (ms, the slowest rank)."""
+    work = model.context_work
+    gathered = cp_comm.all_gather(np.array([work["pairs"], work["wait_s"]], np.float64), label="cp_report").reshape(-1, 2)
+    return {"attention_pairs_max": float(gathered[:, 0].max()), "attention_pairs_min": float(gathered[:, 0].min()),
+            "ring_wait_ms": float(gathered[:, 1].max() * 1e3)}
