@@ -28,7 +28,7 @@ from minipar.models import config_from_hf
 from minipar.models.gpt import RECOMPUTE, GPTConfig
 from minipar.models.llama import LlamaConfig
 from minipar.parallel import planner
-from minipar.parallel.compression import COMPRESSIONS, make_compressor
+from minipar.parallel.compression import COMPRESSIONS
 from minipar.parallel.context_parallel import KINDS as CP_KINDS
 from minipar.parallel.context_parallel import SPLITS as CP_SPLITS
 from minipar.parallel.layout import Layout
@@ -257,8 +257,7 @@ FLAG_NEEDS: dict[str, tuple[str, Any]] = {
 
 def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | None) -> tuple[GPTConfig, Layout]:
     """Reject bad input before anything is built or communicated (every rank reaches the same verdict): the run's
-    own values here, the parallel layout's rules in :meth:`Layout.validate`. Fills in ``args.dp`` when it was left
-    out: the ranks that tp·pp·cp leave, as Megatron-LM does."""
+    own values here, the parallel layout's rules (and its modes' numbers) in :meth:`Layout.validate`."""
     for name in ("steps", "batch_size", "block_size", "bucket_mb", "eval_batches", "log_interval"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
@@ -288,10 +287,6 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
             raise ValueError(f"--{name.replace('_', '-')} has no effect here: it needs {needs}")
     check_output_paths(args)
     layout = Layout.from_args(args, world_size)
-    args.dp, args.cp_split = layout.dp, layout.cp_split
-    make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)  # validates the numbers
-    if args.local_sgd < 0 or args.staleness < 0:
-        raise ValueError("--local-sgd and --staleness must be >= 0")
     if args.keep_last and not args.save:
         raise ValueError("--keep-last prunes the checkpoints of --save: pass --save DIR too")
     if resumed is not None:

@@ -33,58 +33,23 @@ from minipar.checkpoint import (Checkpoint, checkpoint, load_checkpoint, lr_sche
 from minipar.cli import (InterruptWatch, Interrupted, Progress, check_ranks_agree, choose_layout, load_data, step_record,
                          tokenizer_source, validate)
 from minipar.comm import Communicator, start_watchdog
-from minipar.data import Batches, shard_rows
+from minipar.data import Batches
 from minipar.models.gpt import GPT, GPTConfig
 from minipar.nn import count_layer_norm_bytes
-from minipar.optim import AdamW, LossScaler, cosine_lr, group_sum
-from minipar.parallel.compression import make_compressor
-from minipar.parallel.context_parallel import context_parallel, context_report, context_slice
-from minipar.parallel.data_parallel import DataParallel
-from minipar.parallel.expert_parallel import expert_parallel, expert_report, moe_layers
-from minipar.parallel.local_sgd import LocalSGD
+from minipar.optim import cosine_lr, group_sum
+from minipar.parallel.layout import Layout
 from minipar.parallel.mesh import Mesh
 from minipar.parallel.pipeline import Pipeline, stage_state
-from minipar.parallel.tensor_parallel import tensor_parallel
-from minipar.parallel.zero import ZeRO
 
 
-def build_model(args: argparse.Namespace, cfg: GPTConfig, mesh: Mesh, resumed: Checkpoint | None) -> GPT:
-    """The full model on every rank (same seed, HF checkpoint or training checkpoint), then this rank's tp slice."""
+def build_model(args: argparse.Namespace, cfg: GPTConfig, resumed: Checkpoint | None) -> GPT:
+    """The full model, the same on every rank: from a Hugging Face directory, a training checkpoint, or the seed."""
     if args.init_from and resumed is None:
-        model = models.from_hf(args.init_from, dtype=cfg.dtype)  # in the asked precision: 16 bits under mixed
-    else:
-        model = models.build_model(cfg, seed=args.seed)
-        if resumed is not None:
-            model.load_state_dict(resumed.params)
-    if mesh.tp > 1:
-        model = tensor_parallel(model, mesh.tp_comm, args.sp)
-    if mesh.ep > 1:
-        model = expert_parallel(model, mesh.ep_comm)
-    model.set_recompute(args.recompute)
-    return context_parallel(model, mesh.cp_comm, args.cp_kind, args.cp_split) if mesh.cp > 1 else model
-
-
-def build_engine(model: GPT, mesh: Mesh, args: argparse.Namespace) -> tuple[Any, Any]:
-    """(engine, optimizer) over the data-parallel group: DataParallel + AdamW, or ZeRO, which is both; expert
-    parameters reduce over their own replicas. With --local-sgd the replicas do not synchronize gradients at
-    all (LocalSGD averages them later)."""
-    comm, experts = mesh.grad_comm, (mesh.expert_grad_comm if mesh.ep > 1 else None)
-    # loss-scaled float16 gradients are reduced in float32: their sum over the ranks can overflow where the one
-    # process's gradient (their mean) does not, and the run would skip steps the one process takes
-    reduce_dtype = np.float32 if args.reduce_dtype == "float32" or args.precision == "fp16-mixed" else None
-    if args.local_sgd:
-        alone = comm.split(color=comm.rank, name="local")
-        return DataParallel(model, alone), AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    if args.zero:
-        engine = ZeRO(model, mesh.shard_comm, args.zero, lr=args.lr, weight_decay=args.weight_decay,
-                      bucket_mb=args.bucket_mb, expert_comm=mesh.expert_shard_comm if experts else None,
-                      replicas=mesh.shard_replica_comm, prefetch=not args.no_prefetch, reduce_dtype=reduce_dtype,
-                      expert_replicas=mesh.expert_shard_replica_comm)
-        return engine, engine
-    compression = make_compressor(args.compression, args.topk_ratio, args.powersgd_rank)
-    return (DataParallel(model, comm, args.bucket_mb, compression=compression, expert_comm=experts,
-                         reduce_dtype=reduce_dtype),
-            AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay))
+        return models.from_hf(args.init_from, dtype=cfg.dtype)  # in the asked precision: 16 bits under mixed
+    model = models.build_model(cfg, seed=args.seed)
+    if resumed is not None:
+        model.load_state_dict(resumed.params)
+    return model
 
 
 def mean_loss(losses: list[float], mesh: Mesh) -> float:
@@ -94,11 +59,11 @@ def mean_loss(losses: list[float], mesh: Mesh) -> float:
     return float(mesh.grad_comm.all_reduce(mesh.pp_comm.all_reduce(local, label="loss"), op="avg", label="loss")[0])
 
 
-def evaluate(engine: Any, pipeline: Pipeline, mesh: Mesh, batches: Batches, n_batches: int, split: str) -> float:
+def evaluate(engine: Any, pipeline: Pipeline, mesh: Mesh, layout: Layout, batches: Batches, n_batches: int) -> float:
     """Mean validation loss over ``n_batches`` fixed batches, each data-parallel group scoring its rows."""
     losses = []
     for i in range(n_batches):
-        x, y = (context_slice(shard_rows(a, mesh.dp_rank, mesh.dp), mesh.cp_comm, split) for a in batches(i))
+        x, y = (layout.local_rows(a, mesh) for a in batches(i))
         loss = pipeline.forward_only(engine, x, y)
         if loss is not None:
             losses.append(loss)
@@ -125,7 +90,6 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     start_watchdog(args.comm_timeout)
     if args.auto:
         choose_layout(args, world)
-    args.recompute = args.recompute or "none"
     resumed = load_checkpoint(args.resume) if args.resume else None
     set_device(args.device)
     cfg, layout = validate(args, world.size, resumed)
@@ -138,18 +102,14 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.peak_memory:  # after the corpus is loaded, before the model is built: the peak includes the model state
         tracemalloc.start()
     mesh = layout.mesh(world)
-    comms = list(dict.fromkeys([world, mesh.dp_comm, mesh.cp_comm, mesh.tp_comm, mesh.pp_comm, mesh.grad_comm,
-                                mesh.ep_comm, mesh.expert_grad_comm, mesh.shard_comm,
-                                *([mesh.shard_replica_comm] if mesh.shard_replica_comm else [])]))
-    model = build_model(args, cfg, mesh, resumed)
+    comms = mesh.communicators()
+    model = layout.parallelize(build_model(args, cfg, resumed), mesh)
     pipeline = Pipeline(model, mesh.pp_comm, layout.pipeline_schedule())
-    engine, optimizer = build_engine(model, mesh, args)
-    local_sgd = LocalSGD(model, mesh.dp_comm, args.local_sgd, args.outer_lr, args.outer_momentum,
-                         staleness=args.staleness, masters=optimizer.master) if args.local_sgd else None
+    engine, optimizer, local_sgd = layout.engine(model, mesh, args.lr, args.weight_decay, args.bucket_mb)
     if resumed is not None:
         restore_optimizer(optimizer, model, mesh, resumed)
     split_sum = group_sum(mesh.tp_comm, mesh.pp_comm, mesh.ep_comm)
-    scaler = LossScaler(args.loss_scale) if args.precision == "fp16-mixed" else None
+    scaler = layout.loss_scaler(args.loss_scale)
     # a non-finite value is the loop's to report: the fp16 scaler skips an overflowed step, and a diverged loss or
     # gradient norm stops the run with one line — numpy's RuntimeWarnings would only print ahead of it
     np.seterr(over="ignore", invalid="ignore", divide="ignore")
@@ -159,7 +119,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     experts = f" E={cfg.n_expert} top-{cfg.expert_top_k}" if cfg.n_expert else ""
     progress.say(f"minipar: {cfg.display_name} {cfg.num_parameters():,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} "
                  f"T={block}{experts}), {len(tokens):,} tokens, batch {args.batch_size}×{block}, "
-                 f"{args.dtype if args.precision == 'fp32' else args.precision} on {args.device}, {layout}")
+                 f"{args.dtype if layout.precision == 'fp32' else layout.precision} on {args.device}, {layout}")
     if resumed is not None:
         for skipped in resumed.skipped:
             progress.note(f"skipped damaged checkpoint {skipped}")
@@ -181,11 +141,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             for c in comms:
                 c.reset_stats()
             norm_bytes["layer_norm"] = 0
-            if mesh.cp > 1:
-                model.context_work.update(pairs=0, wait_s=0.0)
-            for layer in moe_layers(model):
-                layer.reset_tally()
-            x, y = (context_slice(shard_rows(a, mesh.dp_rank, mesh.dp), mesh.cp_comm, args.cp_split) for a in batches(step))
+            layout.reset_reports(model)
+            x, y = (layout.local_rows(a, mesh) for a in batches(step))
             loss_scale = scaler.scale if scaler else 1.0
             engine.loss_scale = loss_scale  # the factor the gradients carry (a compressor's error feedback)
             losses = pipeline.run(engine, x, y, loss_scale=loss_scale)
@@ -209,10 +166,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             record = step_record(step, args, loss, float(norm), (time.perf_counter() - t0) * 1e3, world, comms, engine,
                                  local_sgd, outer_round, state_bytes, pipeline, mesh, optimizer.lr,
                                  args.batch_size * block, norm_bytes)
-            if mesh.cp > 1 and args.cp_kind == "ring":
-                record["context"] = context_report(model, mesh.cp_comm)
-            if cfg.n_expert:
-                record["experts"] = expert_report(model, mesh.grad_comm, mesh.pp_comm)
+            record.update(layout.reports(model, mesh))
             if scaler:
                 record["loss_scale"], record["skipped"] = scale, overflow
             if args.peak_memory:
@@ -226,7 +180,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                                    "was saved (try a lower --lr, a longer --warmup or --grad-clip)")
             last = step + 1 == args.steps
             if val_batches and args.eval_interval and ((step + 1) % args.eval_interval == 0 or last):
-                val_loss = evaluate(engine, pipeline, mesh, val_batches, args.eval_batches, args.cp_split)
+                val_loss = evaluate(engine, pipeline, mesh, layout, val_batches, args.eval_batches)
                 val = {"step": step + 1, "val_loss": val_loss}
                 records.append(val)
                 progress.evaluation(val)

@@ -85,6 +85,9 @@ def test_text_progress_line():
     (["train", "--compression", "topk", "--powersgd-rank", "2"], "--powersgd-rank has no effect here: it needs "
                                                                   "--compression powersgd"),
     (["train", "--staleness", "1"], "--staleness has no effect here: it needs --local-sgd"),
+    (["train", "--compression", "topk", "--topk-ratio", "1.5"], "--topk-ratio must be in (0, 1], got 1.5"),
+    (["train", "--compression", "powersgd", "--powersgd-rank", "0"], "--powersgd-rank must be >= 1, got 0"),
+    (["train", "--local-sgd", "2", "--staleness", "-1"], "--local-sgd and --staleness must be >= 0"),
     (["train", "--outer-lr", "1"], "--outer-lr has no effect here: it needs --local-sgd"),
     (["train", "--cp-kind", "ulysses"], "--cp-kind has no effect here: it needs --cp 2 or more"),
     (["train", "--zero", "1", "--no-prefetch"], "--no-prefetch has no effect here: it needs --zero 3"),

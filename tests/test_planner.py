@@ -248,6 +248,22 @@ def test_every_layout_the_planner_proposes_is_one_train_accepts(world):
             assert Layout.from_args(args, world) == layout, layout
 
 
+@pytest.mark.parametrize("options", [
+    dict(dp=2, compression="topk", topk_ratio=0.05), dict(dp=2, compression="powersgd", powersgd_rank=2),
+    dict(dp=3, local_sgd=4, outer_lr=1.0, outer_momentum=0.0, staleness=1), dict(dp=2, zero=3, prefetch=False),
+    dict(dp=2, reduce_dtype="float32", precision="bf16-mixed")])
+def test_each_modes_own_options_round_trip_through_the_flags(options):
+    """A mode's own numbers (the top-k share, the PowerSGD rank, DiLoCo's outer step, prefetching) are fields of the
+    Layout too: its flags give back the same Layout, so --auto, checkpoints and the tests see the whole run."""
+    from minipar.__main__ import build_parser
+    from minipar.parallel.layout import Layout
+
+    layout = Layout(**options)
+    assert layout != Layout(**{k: v for k, v in options.items() if k in ("dp", "zero", "compression", "local_sgd")})
+    args = build_parser().parse_args(["train", *layout.flags()])
+    assert Layout.from_args(args, layout.world) == layout
+
+
 def test_the_llama3_8b_preset_has_the_published_parameter_count():
     """meta-llama/Meta-Llama-3-8B's model.safetensors.index.json: "total_size": 16060522496 bytes of bfloat16."""
     from minipar.models import config_from_dict

@@ -108,7 +108,7 @@ class TopK(Compressor):
 
     def __init__(self, ratio: float = 0.01):
         if not 0 < ratio <= 1:
-            raise ValueError(f"top-k ratio must be in (0, 1], got {ratio}")
+            raise ValueError(f"--topk-ratio must be in (0, 1], got {ratio}")
         self.ratio, self.name = ratio, f"topk({ratio:g})"
         self.residual: dict[int, np.ndarray] = {}  # per bucket: what earlier steps did not send
 
@@ -137,7 +137,7 @@ class PowerSGD(Compressor):
 
     def __init__(self, rank: int = 4, seed: int = 0):
         if rank < 1:
-            raise ValueError(f"PowerSGD rank must be >= 1, got {rank}")
+            raise ValueError(f"--powersgd-rank must be >= 1, got {rank}")
         self.rank, self.seed, self.name = rank, seed, f"powersgd(r={rank})"
         self.q: dict[int, Any] = {}         # per parameter: the Q of the last step (warm start)
         self.residual: dict[int, Any] = {}  # per parameter: error feedback

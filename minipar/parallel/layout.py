@@ -4,11 +4,16 @@ options combine (torchtitan's ``ParallelDims``).
     layout = Layout(dp=2, tp=2, pp=2, zero=1, microbatches=4, schedule="zb-h1")
     layout.validate(cfg, batch_size=16, world_size=8)   # ValueError: one line naming the flags, or nothing
     mesh = layout.mesh(world)                           # the (pp, dp, cp, tp) rank grid (mesh.py)
+    model = layout.parallelize(model, mesh)             # this rank's part of the model: tp/sp, ep, recompute, cp
+    engine, optimizer, local_sgd = layout.engine(model, mesh, lr=1e-3, weight_decay=0.1, bucket_mb=25)
+    x = layout.local_rows(batch, mesh)                  # this rank's rows (dp) and positions (cp) of a batch
     str(layout)                                         # "dp2·tp2·pp2 zero1 m4 zb-h1"
 
 ``train`` builds one from the command line (:meth:`Layout.from_args`), the planner enumerates candidates and
 keeps those :meth:`validate` accepts, checkpoints store the layout they were written under, and the tests
-take one. A rule of the form "this option needs / excludes that one" is written here and nowhere else; an
+take one. What a run builds from its layout is built here too — the model's parallel form, the gradient engine
+and optimizer, a batch's share, the per-step reports of the axes that have one — so ``train`` assembles without
+asking which axes are on. A rule of the form "this option needs / excludes that one" is written here and nowhere else; an
 engine's own arithmetic (tp divides the heads, cp the sequence, ep the experts) stays with the engine, in its
 ``check_*`` function, and a schedule's (its microbatches, its chunks) with its class in schedules.py; :meth:`validate`
 calls them.
@@ -22,14 +27,22 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from minipar.comm import Communicator
-from minipar.parallel.context_parallel import check_context_parallel
-from minipar.parallel.expert_parallel import check_expert_parallel
+from minipar.data import shard_rows
+from minipar.optim import AdamW, LossScaler
+from minipar.parallel.compression import make_compressor
+from minipar.parallel.context_parallel import check_context_parallel, context_parallel, context_report, context_slice
+from minipar.parallel.data_parallel import DataParallel
+from minipar.parallel.expert_parallel import check_expert_parallel, expert_parallel, expert_report, moe_layers
+from minipar.parallel.local_sgd import LocalSGD
 from minipar.parallel.mesh import Mesh
 from minipar.parallel.pipeline import stage_blocks
 from minipar.parallel.schedules import Schedule
 from minipar.parallel.schedules import build as build_schedule
-from minipar.parallel.tensor_parallel import check_tensor_parallel
+from minipar.parallel.tensor_parallel import check_tensor_parallel, tensor_parallel
+from minipar.parallel.zero import ZeRO
 
 RECOMPUTE = ("none", "selective", "full")
 
@@ -53,6 +66,14 @@ class Layout:
     precision: str = "fp32"     # "fp32" | "bf16-mixed" | "fp16-mixed"
     compression: str = "none"
     local_sgd: int = 0          # H: average the replicas every H steps instead of the gradients every step
+    # each mode's own options (read only when the mode is on)
+    prefetch: bool = True       # ZeRO-3 gathers the next layer's parameters while this one computes
+    reduce_dtype: str = "auto"  # "float32": gradients reduce in float32 (always so under fp16-mixed)
+    topk_ratio: float = 0.01    # --compression topk: the share of entries sent
+    powersgd_rank: int = 4      # --compression powersgd: the rank of the factors
+    outer_lr: float = 0.7       # --local-sgd: DiLoCo's outer learning rate and Nesterov momentum
+    outer_momentum: float = 0.9
+    staleness: int = 0          # --local-sgd: each round's average applies this many rounds later
 
     def __post_init__(self) -> None:
         if not self.cp_split:
@@ -78,7 +99,9 @@ class Layout:
                    schedule=args.schedule, recompute=args.recompute or "none", cp=args.cp, cp_kind=args.cp_kind,
                    sp=args.sp, ep=args.ep, virtual_stages=args.virtual_stages, shard_group=args.shard_group or 0,
                    cp_split=args.cp_split or "", precision=args.precision, compression=args.compression,
-                   local_sgd=args.local_sgd)
+                   local_sgd=args.local_sgd, prefetch=not args.no_prefetch, reduce_dtype=args.reduce_dtype,
+                   topk_ratio=args.topk_ratio, powersgd_rank=args.powersgd_rank, outer_lr=args.outer_lr,
+                   outer_momentum=args.outer_momentum, staleness=args.staleness)
 
     def validate(self, cfg: Any, batch_size: int, world_size: int | None = None) -> None:
         """Raise ValueError — one line naming the flags involved — if this layout cannot train ``cfg`` on a
@@ -105,6 +128,9 @@ class Layout:
                 raise ValueError(f"--shard-group {self.shard_group} with --ep {self.ep}: each shard group (runs of "
                                  f"{self.shard_group} of the dp·cp replicas) must hold the same number of ranks of "
                                  "every expert group it holds; a multiple or a divisor of --ep does")
+        make_compressor(self.compression, self.topk_ratio, self.powersgd_rank)  # the compressor checks its numbers
+        if self.local_sgd < 0 or self.staleness < 0:
+            raise ValueError("--local-sgd and --staleness must be >= 0")
         if self.compression != "none" and self.zero:
             raise ValueError("--compression plugs into plain data parallelism: use it with --zero 0")
         if self.local_sgd and (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.zero or self.compression != "none"):
@@ -154,6 +180,69 @@ class Layout:
         return Mesh(world, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
                     shard_group=self.shard_group or None)
 
+    # ---- what a run builds from its layout
+    def parallelize(self, model: Any, mesh: Mesh) -> Any:
+        """This rank's part of the whole ``model`` (the same on every rank): its tensor-parallel slice (with sequence
+        parallelism), its experts, its recomputation, its attention across the sequence's cp ranks."""
+        if self.tp > 1:
+            model = tensor_parallel(model, mesh.tp_comm, self.sp)
+        if self.ep > 1:
+            model = expert_parallel(model, mesh.ep_comm)
+        model.set_recompute(self.recompute)
+        return context_parallel(model, mesh.cp_comm, self.cp_kind, self.cp_split) if self.cp > 1 else model
+
+    def engine(self, model: Any, mesh: Mesh, lr: float, weight_decay: float, bucket_mb: float
+               ) -> tuple[Any, Any, LocalSGD | None]:
+        """(gradient engine, optimizer, local SGD or None) over the data-parallel replicas: DataParallel (with its
+        compressor) + AdamW, or ZeRO, which is both; expert parameters reduce over their own replicas. Under local
+        SGD the replicas do not synchronize gradients at all: LocalSGD averages the weights every H steps."""
+        if self.local_sgd:
+            alone = mesh.grad_comm.split(color=mesh.grad_comm.rank, name="local")
+            optimizer = AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+            return DataParallel(model, alone), optimizer, LocalSGD(
+                model, mesh.dp_comm, self.local_sgd, self.outer_lr, self.outer_momentum, staleness=self.staleness,
+                masters=optimizer.master)
+        experts = mesh.expert_grad_comm if mesh.ep > 1 else None
+        # loss-scaled float16 gradients are reduced in float32: their sum over the ranks can overflow where the one
+        # process's gradient (their mean) does not, and the run would skip steps the one process takes
+        reduce_dtype = np.float32 if self.reduce_dtype == "float32" or self.precision == "fp16-mixed" else None
+        if self.zero:
+            engine = ZeRO(model, mesh.shard_comm, self.zero, lr=lr, weight_decay=weight_decay, bucket_mb=bucket_mb,
+                          expert_comm=mesh.expert_shard_comm if experts else None, replicas=mesh.shard_replica_comm,
+                          prefetch=self.prefetch, reduce_dtype=reduce_dtype,
+                          expert_replicas=mesh.expert_shard_replica_comm)
+            return engine, engine, None
+        compression = make_compressor(self.compression, self.topk_ratio, self.powersgd_rank)
+        return (DataParallel(model, mesh.grad_comm, bucket_mb, compression=compression, expert_comm=experts,
+                             reduce_dtype=reduce_dtype),
+                AdamW(model.parameters(), lr=lr, weight_decay=weight_decay), None)
+
+    def loss_scaler(self, initial_scale: float) -> LossScaler | None:
+        """fp16-mixed scales the loss (dynamically, from ``initial_scale``); the other precisions need no scaling."""
+        return LossScaler(initial_scale) if self.precision == "fp16-mixed" else None
+
+    def local_rows(self, batch: np.ndarray, mesh: Mesh) -> np.ndarray:
+        """This rank's share of a global (B, T) batch: its data-parallel group's B/dp rows, its cp rank's
+        positions of each (contiguous or zigzag chunks)."""
+        return context_slice(shard_rows(batch, mesh.dp_rank, mesh.dp), mesh.cp_comm, self.cp_split)
+
+    def reset_reports(self, model: Any) -> None:
+        """Zero the counters the step's reports read (ring attention's work, each MoE layer's routing tally)."""
+        if self.cp > 1:
+            model.context_work.update(pairs=0, wait_s=0.0)
+        for layer in moe_layers(model):
+            layer.reset_tally()
+
+    def reports(self, model: Any, mesh: Mesh) -> dict[str, Any]:
+        """The step's reports of the axes that keep one: ring attention's balance ("context"), the experts'
+        routing ("experts"); each costs one small collective."""
+        out = {}
+        if self.cp > 1 and self.cp_kind == "ring":
+            out["context"] = context_report(model, mesh.cp_comm)
+        if model.config.n_expert:  # every stage takes part, with or without MoE layers of its own
+            out["experts"] = expert_report(model, mesh.grad_comm, mesh.pp_comm)
+        return out
+
     def flags(self) -> list[str]:
         """The command-line flags of every field that means something here (``train`` rebuilds this layout from
         them, and refuses a flag without its mode: the cp kind and split only with cp ≥ 2)."""
@@ -162,7 +251,13 @@ class Layout:
                 "--cp", str(self.cp), *(["--cp-kind", self.cp_kind, "--cp-split", self.cp_split] if self.cp > 1 else []),
                 *(["--sp"] if self.sp else []), "--ep", str(self.ep), "--virtual-stages", str(self.virtual_stages),
                 *(["--shard-group", str(self.shard_group)] if self.shard_group else []),
-                "--precision", self.precision, "--compression", self.compression, "--local-sgd", str(self.local_sgd)]
+                "--precision", self.precision, "--compression", self.compression, "--local-sgd", str(self.local_sgd),
+                *(["--no-prefetch"] if not self.prefetch and self.zero == 3 else []),
+                *(["--reduce-dtype", self.reduce_dtype] if self.reduce_dtype != "auto" else []),
+                *(["--topk-ratio", str(self.topk_ratio)] if self.compression == "topk" else []),
+                *(["--powersgd-rank", str(self.powersgd_rank)] if self.compression == "powersgd" else []),
+                *(["--outer-lr", str(self.outer_lr), "--outer-momentum", str(self.outer_momentum), "--staleness",
+                   str(self.staleness)] if self.local_sgd else [])]
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -85,6 +85,12 @@ class Mesh:
             self.expert_shard_replica_comm = self.expert_grad_comm.split(color=self.expert_shard_comm.rank,
                                                                          name="expert shard replicas")
 
+    def communicators(self) -> list[Communicator]:
+        """Every distinct group of this rank, the world first (a step's byte report sums their counters)."""
+        return list(dict.fromkeys([self.world, self.dp_comm, self.cp_comm, self.tp_comm, self.pp_comm, self.grad_comm,
+                                   self.ep_comm, self.expert_grad_comm, self.shard_comm,
+                                   *([self.shard_replica_comm] if self.shard_replica_comm else [])]))
+
     def _group(self, axes: list[str], coords: dict[str, int], name: str | None = None) -> Communicator:
         """The ranks whose coordinates differ from this rank's only along ``axes`` (key: their order there)."""
         color, key = 0, 0
