@@ -14,7 +14,7 @@ import functools
 import importlib.util
 import os
 import types
-from typing import Any
+from typing import Any, Iterator
 
 import numpy
 
@@ -66,6 +66,28 @@ def _keep_freed_memory_in_the_heap() -> None:
 
 
 _keep_freed_memory_in_the_heap()
+
+CACHE_BLOCK = 32768  # elements (128 KiB of float32): a chain of elementwise ops over a few such blocks stays in L2
+
+
+def cache_blocks(*arrays: Any) -> Iterator[tuple[Any, ...]]:
+    """Matching views of same-shaped ``arrays``, block by block of :data:`CACHE_BLOCK` elements.
+
+    numpy runs each elementwise op as a pass over whole arrays; a fused op of k such ops over an
+    activation bigger than the cache reads and writes main memory k times. Run block by block, the k
+    passes touch data the first pass left in the cache: the same arithmetic on each element, in the
+    same order, so the same bits. On the GPU (one kernel per op either way), for non-contiguous
+    arrays (a flat view would be a copy) and for arrays of one block or less this yields the arrays
+    themselves, once.
+    """
+    n = arrays[0].size
+    if _active is not numpy or n <= CACHE_BLOCK or not all(a.flags.c_contiguous for a in arrays):
+        yield arrays
+        return
+    flat = [a.reshape(-1) for a in arrays]
+    for start in range(0, n, CACHE_BLOCK):
+        yield tuple(f[start:start + CACHE_BLOCK] for f in flat)
+
 
 _THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 _OPENBLAS_SETTERS = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_",

@@ -15,7 +15,7 @@ import math
 from typing import Any, Sequence
 
 from minipar.autograd import Context, Function, Tensor, no_grad
-from minipar.backend import use_triton, xp
+from minipar.backend import cache_blocks, use_triton, xp
 
 # ------------------------------------------------------------------------------------------ helpers
 
@@ -27,6 +27,22 @@ def unbroadcast(grad: Any, shape: tuple[int, ...]) -> Any:
     extra = grad.ndim - len(shape)
     axes = tuple(range(extra)) + tuple(extra + i for i, n in enumerate(shape) if n == 1 and grad.shape[extra + i] != 1)
     return grad.sum(axis=axes).reshape(shape)
+
+
+def _row_sums(x: Any, scale: float = 1.0) -> Any:
+    """scale · Σ over the last axis, shape ``x.shape[:-1]``, as the matrix-vector product x·(scale, …, scale):
+    BLAS reads each row once at full speed, where numpy's reduction over short rows is 3-5× slower."""
+    return x @ xp.full(x.shape[-1], scale, dtype=x.dtype)
+
+
+def _row_dots(a: Any, b: Any) -> Any:
+    """Σ_j a_ij b_ij per row of two matrices, reading both once and writing no product array (einsum)."""
+    return xp.einsum("ij,ij->i", a, b)
+
+
+def _column_sums(rows: Any) -> Any:
+    """Σ over the rows of a matrix (a bias's or a norm's gradient), as the product (1, …, 1)·rows."""
+    return xp.ones(len(rows), dtype=rows.dtype) @ rows
 
 
 def _shape(x: Any) -> tuple[int, ...]:
@@ -322,7 +338,7 @@ class Linear(Function):
         gw = None
         if ctx.needs_input_grad[1]:
             gw = _matmul2d(g2.T, x2) if ctx.transposed else _matmul2d(x2.T, g2)
-        gb = g2.sum(axis=0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        gb = _column_sums(g2) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None
 
 
@@ -345,17 +361,27 @@ class Softmax(Function):
         return _softmax_backward(y, g, ctx.axis), None
 
 
-def _softmax(x: Any, axis: int) -> Any:
-    y = x - x.max(axis=axis, keepdims=True)
+def _softmax(x: Any, axis: int, out: Any = None) -> Any:
+    """softmax along ``axis`` into ``out`` (a new array by default; may be x itself). fmax ignores NaN and is
+    faster than max; a NaN in a row still makes the whole row NaN, through exp and the sum."""
+    y = xp.subtract(x, xp.fmax.reduce(x, axis=axis, keepdims=True), out=out)
     xp.exp(y, out=y)
-    y /= y.sum(axis=axis, keepdims=True)
+    y /= _sums_along(y, axis)
     return y
 
 
-def _softmax_backward(y: Any, g: Any, axis: int) -> Any:
-    dx = g * y
-    dx -= y * dx.sum(axis=axis, keepdims=True)
+def _softmax_backward(y: Any, g: Any, axis: int, out: Any = None) -> Any:
+    """dx = y ⊙ (g − Σ g⊙y) along ``axis``, into ``out`` (a new array by default; may be g itself)."""
+    dx = xp.subtract(g, _sums_along(g * y, axis), out=out)
+    dx *= y
     return dx
+
+
+def _sums_along(x: Any, axis: int) -> Any:
+    """Σ over ``axis``, kept as an axis of size 1 (matrix-vector products when it is the last axis)."""
+    if axis % x.ndim == x.ndim - 1:
+        return _row_sums(x)[..., None]
+    return x.sum(axis=axis, keepdims=True)
 
 
 class LayerNorm(Function):
@@ -363,35 +389,44 @@ class LayerNorm(Function):
 
     Backward (N = last-axis size, ĝ = g ⊙ w):
         dx = (1/σ) (ĝ - mean(ĝ) - x̂ ⊙ mean(ĝ ⊙ x̂)),   dw = Σ_rows g ⊙ x̂,   db = Σ_rows g.
+
+    The reductions only read: sums of products are einsums (Σ_j x̂² per row, Σ_i g ⊙ x̂ per column,
+    mean(ĝ ⊙ x̂) per row) and plain sums matrix-vector products, so no product array is written for them.
     """
 
     @staticmethod
     def forward(ctx: Context, x: Any, w: Any, b: Any, eps: float = 1e-5) -> Any:
-        xhat = x - x.mean(axis=-1, keepdims=True)
-        rstd = (xhat * xhat).mean(axis=-1, keepdims=True)
+        n = x.shape[-1]
+        rows = x.reshape(-1, n)
+        xhat = rows - _row_sums(rows, 1.0 / n)[:, None]
+        rstd = _row_dots(xhat, xhat)
+        rstd *= 1.0 / n
         rstd += eps
         xp.sqrt(rstd, out=rstd)
         xp.reciprocal(rstd, out=rstd)
-        xhat *= rstd
+        xhat *= rstd[:, None]
         ctx.save_for_backward(xhat, rstd)
         y = xhat * w
         y += b
-        return y
+        return y.reshape(x.shape)
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
         (xhat, rstd), w = ctx.saved, ctx.input(1)
         n = xhat.shape[-1]
-        g2, xhat2 = g.reshape(-1, n), xhat.reshape(-1, n)
-        gw = (g2 * xhat2).sum(axis=0) if ctx.needs_input_grad[1] else None
-        gb = g2.sum(axis=0) if ctx.needs_input_grad[2] else None
+        g2 = g.reshape(-1, n)
+        gw = xp.einsum("ij,ij->j", g2, xhat) if ctx.needs_input_grad[1] else None
+        gb = _column_sums(g2) if ctx.needs_input_grad[2] else None
         gx = None
         if ctx.needs_input_grad[0]:
-            ghat = g * w
-            gx = xhat * (ghat * xhat).mean(axis=-1, keepdims=True)
-            gx += ghat.mean(axis=-1, keepdims=True)
+            ghat = g2 * w
+            mean_ghat_xhat = _row_dots(ghat, xhat)
+            mean_ghat_xhat *= 1.0 / n
+            gx = xhat * mean_ghat_xhat[:, None]
+            gx += _row_sums(ghat, 1.0 / n)[:, None]
             xp.subtract(ghat, gx, out=gx)
-            gx *= rstd
+            gx *= rstd[:, None]
+            gx = gx.reshape(g.shape)
         return gx, gw, gb, None
 
 
@@ -400,40 +435,42 @@ _GELU_A = 0.044715
 
 
 class GELU(Function):
-    """GELU, tanh approximation (GPT-2's ``gelu_new``):  y = ½ x (1 + t),  t = tanh(c (x + a x³)).
+    """GELU, tanh approximation (GPT-2's ``gelu_new``):  y = ½ x (1 + t),  t = tanh(x (c + a·c x²)).
 
-    dy/dx = ½ (1 + t) + ½ x (1 - t²) c (1 + 3 a x²),  with c = √(2/π), a = 0.044715.
+    dy/dx = ½ (1 + t) + ½ x (1 - t²) c (1 + 3a x²) = (1 + t) (½ + (1 - t) x (½c + (3/2)a·c x²)),
+    with c = √(2/π), a = 0.044715. Forward saves t, so backward needs no tanh.
     """
 
     @staticmethod
     def forward(ctx: Context, x: Any) -> Any:
-        t = x * x
-        t *= _GELU_A
-        t += 1.0
-        t *= x
-        t *= _GELU_C
-        xp.tanh(t, out=t)
+        t, y = xp.empty_like(x), xp.empty_like(x)
+        for xb, tb, yb in cache_blocks(x, t, y):  # each block's eight passes stay in the cache
+            xp.multiply(xb, xb, out=tb)
+            tb *= _GELU_A * _GELU_C
+            tb += _GELU_C
+            tb *= xb
+            xp.tanh(tb, out=tb)
+            xp.add(tb, 1.0, out=yb)
+            yb *= xb
+            yb *= 0.5
         ctx.save_for_backward(x, t)
-        y = t + 1.0
-        y *= x
-        y *= 0.5
         return y
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> Any:
         x, t = ctx.saved
-        slope = x * x  # ½ x c (1 + 3a x²) (1 - t²) + ½ (1 + t)
-        slope *= 3.0 * _GELU_A * _GELU_C
-        slope += _GELU_C
-        slope *= x
-        slope *= 0.5
-        scratch = t * t
-        xp.subtract(1.0, scratch, out=scratch)
-        slope *= scratch
-        xp.multiply(t, 0.5, out=scratch)
-        slope += scratch
-        slope += 0.5
-        slope *= g
+        slope = xp.empty_like(x)
+        for xb, tb, gb, sb in cache_blocks(x, t, g, slope):
+            xp.multiply(xb, xb, out=sb)
+            sb *= 1.5 * _GELU_A * _GELU_C
+            sb += 0.5 * _GELU_C
+            sb *= xb
+            scratch = xp.subtract(1.0, tb)
+            sb *= scratch
+            sb += 0.5
+            xp.add(tb, 1.0, out=scratch)
+            sb *= scratch
+            sb *= gb
         return slope
 
 
@@ -445,25 +482,32 @@ class RMSNorm(Function):
 
     @staticmethod
     def forward(ctx: Context, x: Any, w: Any, eps: float = 1e-6) -> Any:
-        rrms = (x * x).mean(axis=-1, keepdims=True)
+        n = x.shape[-1]
+        rows = x.reshape(-1, n)
+        rrms = _row_dots(rows, rows)
+        rrms *= 1.0 / n
         rrms += eps
         xp.sqrt(rrms, out=rrms)
         xp.reciprocal(rrms, out=rrms)
-        xhat = x * rrms
+        xhat = rows * rrms[:, None]
         ctx.save_for_backward(xhat, rrms)
-        return xhat * w
+        return (xhat * w).reshape(x.shape)
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
         (xhat, rrms), w = ctx.saved, ctx.input(1)
         n = xhat.shape[-1]
-        gw = (g.reshape(-1, n) * xhat.reshape(-1, n)).sum(axis=0) if ctx.needs_input_grad[1] else None
+        g2 = g.reshape(-1, n)
+        gw = xp.einsum("ij,ij->j", g2, xhat) if ctx.needs_input_grad[1] else None
         gx = None
         if ctx.needs_input_grad[0]:
-            ghat = g * w
-            gx = xhat * (ghat * xhat).mean(axis=-1, keepdims=True)
+            ghat = g2 * w
+            mean_ghat_xhat = _row_dots(ghat, xhat)
+            mean_ghat_xhat *= 1.0 / n
+            gx = xhat * mean_ghat_xhat[:, None]
             xp.subtract(ghat, gx, out=gx)
-            gx *= rrms
+            gx *= rrms[:, None]
+            gx = gx.reshape(g.shape)
         return gx, gw, None
 
 
@@ -552,12 +596,12 @@ class CrossEntropy(Function):
         t = targets.reshape(-1)
         keep = t != ignore_index
         rows, safe_t = xp.arange(len(t)), xp.where(keep, t, 0)
-        zmax = z.max(axis=-1, keepdims=True)
-        probs = z - zmax
+        zmax = xp.fmax.reduce(z, axis=-1)  # as in _softmax
+        probs = z - zmax[:, None]
         xp.exp(probs, out=probs)
-        total = probs.sum(axis=-1, keepdims=True)
-        probs /= total
-        logsumexp = xp.log(total[:, 0]) + zmax[:, 0]
+        total = _row_sums(probs)
+        probs /= total[:, None]
+        logsumexp = xp.log(total) + zmax
         count = xp.maximum(keep.sum(), 1)  # stays on the device: no host round-trip in the step
         loss = ((logsumexp - z[rows, safe_t]) * keep).sum() / count
         ctx.save_for_backward(probs, safe_t, keep, rows)
@@ -621,7 +665,8 @@ class CausalSelfAttention(Function):
             return gqkv.reshape(B, T, 3 * H * D), None, None, None
         p = ctx.saved[3] if ctx.saved[3] is not None else _attention_probabilities(q, k, ctx.scale)
         xp.matmul(xp.swapaxes(p, -1, -2), gy, out=gqkv_heads[2])
-        ds = _softmax_backward(p, gy @ xp.swapaxes(v, -1, -2), axis=-1)
+        dp = gy @ xp.swapaxes(v, -1, -2)
+        ds = _softmax_backward(p, dp, axis=-1, out=dp)
         ds *= ctx.scale
         xp.matmul(ds, k, out=gqkv_heads[0])
         xp.matmul(xp.swapaxes(ds, -1, -2), q, out=gqkv_heads[1])
@@ -633,7 +678,7 @@ def _attention_probabilities(q: Any, k: Any, scale: float) -> Any:
     s = q @ xp.swapaxes(k, -1, -2)
     s *= scale
     s += _causal_mask(q.shape[-2], s.dtype)
-    return _softmax(s, axis=-1)
+    return _softmax(s, axis=-1, out=s)
 
 
 class Recompute(Function):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Iterable
 
-from minipar.backend import is_low_precision, to_device, to_host, xp
+from minipar.backend import cache_blocks, is_low_precision, to_device, to_host, xp
 from minipar.nn import Parameter
 
 
@@ -28,16 +28,33 @@ def adamw_update(p: Any, g: Any, m: Any, v: Any, *, step: int, lr: float, beta1:
         p ← p − lr·λ·p                                      (decoupled weight decay)
         m ← β₁ m + (1 − β₁) g,    v ← β₂ v + (1 − β₂) g²
         p ← p − lr · m̂ / (√v̂ + ε),  m̂ = m / (1 − β₁ᵗ),  v̂ = v / (1 − β₂ᵗ)
+
+    One pass over memory: block by block (``backend.cache_blocks``), with two block-sized scratch
+    arrays as the only temporaries.
     """
-    if not (isinstance(weight_decay, float) and weight_decay == 0.0):  # an array: per-element decay (ZeRO shards)
-        p *= 1.0 - lr * weight_decay
-    m *= beta1
-    m += (1.0 - beta1) * g
-    v *= beta2
-    v += (1.0 - beta2) * (g * g)
-    denom = xp.sqrt(v / (1.0 - beta2**step))
-    denom += eps
-    p -= (lr / (1.0 - beta1**step)) * m / denom
+    per_element = not isinstance(weight_decay, float)  # an array: per-element decay (ZeRO shards)
+    step_size, v_correction = lr / (1.0 - beta1**step), 1.0 - beta2**step
+    for pb, gb, mb, vb, *decay in cache_blocks(p, g, m, v, *((weight_decay,) if per_element else ())):
+        scratch, update = xp.empty_like(mb), xp.empty_like(mb)
+        if per_element:
+            xp.multiply(decay[0], lr, out=scratch)
+            xp.subtract(1.0, scratch, out=scratch)
+            pb *= scratch
+        elif weight_decay != 0.0:
+            pb *= 1.0 - lr * weight_decay
+        mb *= beta1
+        xp.multiply(gb, 1.0 - beta1, out=scratch)
+        mb += scratch
+        vb *= beta2
+        xp.multiply(gb, gb, out=scratch)
+        scratch *= 1.0 - beta2
+        vb += scratch
+        xp.divide(vb, v_correction, out=scratch)  # √v̂ + ε
+        xp.sqrt(scratch, out=scratch)
+        scratch += eps
+        xp.multiply(mb, step_size, out=update)
+        update /= scratch
+        pb -= update
 
 
 def sgd_update(p: Any, g: Any, buf: Any | None, *, lr: float, momentum: float, weight_decay: float) -> None:

@@ -554,7 +554,7 @@ def _every_rank_gets_the_same_bits():
     −0 and +0, sums of NaNs with different signs and payloads, and ordinary sums (the ring's and Rabenseifner's
     chunks are reduced once; recursive doubling's partners combine in rank order)."""
     comm = Communicator(MPI.COMM_WORLD.Dup())
-    r, p = comm.rank, comm.size
+    r = comm.rank
     nans = np.array([0x7FF8000000000001 + r, 0xFFF8000000000000 + 7 * r], np.uint64).view(np.float64)
     cases = {"max": np.array([-0.0, 0.0, -0.0] if r % 2 else [0.0, -0.0, -0.0]),
              "sum": np.concatenate([nans, np.random.default_rng(r).standard_normal(5) * 10.0 ** r])}

@@ -4,9 +4,10 @@ import math
 import numpy as np
 import pytest
 
+from minipar import backend
 from minipar.data import BPETokenizer, Batches, ByteTokenizer, default_corpus, load_tokens, shard_rows
 from minipar.nn import Parameter
-from minipar.optim import SGD, AdamW, LossScaler, clip_grad_norm, cosine_lr
+from minipar.optim import SGD, AdamW, LossScaler, adamw_update, clip_grad_norm, cosine_lr
 
 
 def test_byte_tokenizer_round_trip():
@@ -74,6 +75,26 @@ def test_adamw_matches_formula():
         mb, vb = 0.9 * mb + 0.1 * g[0], 0.99 * vb + 0.01 * g[0] ** 2
         bb = bb - 0.01 * (mb / (1 - 0.9**t)) / (np.sqrt(vb / (1 - 0.99**t)) + 1e-8)
     np.testing.assert_allclose(b.data, bb, rtol=1e-13)
+
+
+@pytest.mark.parametrize("decay", ["scalar", "per_element"])
+def test_adamw_block_by_block_gives_the_whole_arrays_bits(monkeypatch, decay):
+    """adamw_update walks p, g, m, v block by block (backend.cache_blocks): after three steps the same bits as
+    one pass over whole arrays, for a size that is no multiple of the block, with ZeRO's per-element decay too."""
+    rng = np.random.default_rng(1)
+    p0, grads = rng.standard_normal(1000), [rng.standard_normal(1000) for _ in range(3)]
+    weight_decay = 0.1 if decay == "scalar" else np.where(np.arange(1000) < 600, 0.1, 0.0)
+
+    def run(block):
+        monkeypatch.setattr(backend, "CACHE_BLOCK", block)
+        p, m, v = p0.copy(), np.zeros(1000), np.zeros(1000)
+        for step, g in enumerate(grads, start=1):
+            adamw_update(p, g, m, v, step=step, lr=0.01, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=weight_decay)
+        return p, m, v
+
+    whole, blocked = run(10**9), run(96)
+    assert all(np.array_equal(a, b) for a, b in zip(whole, blocked))
+    assert not np.array_equal(whole[0], p0)
 
 
 def test_loss_scaler_follows_pytorchs_grad_scaler():

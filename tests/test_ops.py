@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from minipar import Tensor, ops
+from minipar import Tensor, backend, ops
 from minipar.testing import gradcheck
 
 rng = np.random.default_rng(0)
@@ -77,6 +77,26 @@ def test_gelu_matches_tanh_formula():
     x = np.linspace(-5, 5, 101)
     expected = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
     np.testing.assert_allclose(ops.gelu(Tensor(x)).data, expected, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gelu_block_by_block_gives_the_whole_arrays_bits(monkeypatch, dtype):
+    """GELU runs its passes block by block (backend.cache_blocks): the same bits as one pass over everything,
+    for a size that is no multiple of the block, and for a non-contiguous input (which takes the whole-array path)."""
+    x = (randn(37, 61) * 3).astype(dtype)  # 2257 elements: 8 blocks of 256 and a tail of 209
+    g = randn(37, 61).astype(dtype)
+
+    def run(block, inp):
+        monkeypatch.setattr(backend, "CACHE_BLOCK", block)
+        t = Tensor(inp.copy() if inp.flags.c_contiguous else inp, requires_grad=True)
+        y = ops.gelu(t)
+        y.backward(g if inp.flags.c_contiguous else g.T.copy().T)
+        return y.data, t.grad
+
+    whole, blocked = run(10**9, x), run(256, x)
+    assert all(np.array_equal(a, b) for a, b in zip(whole, blocked))
+    strided = run(256, np.asfortranarray(x))
+    assert all(np.array_equal(a, b) for a, b in zip(whole, strided))
 
 
 def test_embedding():
