@@ -19,6 +19,9 @@ from minipar.parallel.data_parallel import DataParallel
 from minipar.parallel.zero import ZeRO
 
 
+MODES = ["compute", "dp, overlap", "dp, no overlap", "zero-1", "zero-2", "zero-3", "zero-3, no prefetch"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n-layer", type=int, default=4)
@@ -29,6 +32,7 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=1.0)
     ap.add_argument("--steps", type=int, default=3, help="steps per round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES, help="compute is always run")
     args = ap.parse_args()
     world = Communicator()
     alone = world.split(color=world.rank, name="alone")
@@ -64,7 +68,7 @@ def main() -> None:
                 waits[name] = min(waits.get(name, float("inf")), world.mpi.allreduce(engine.gather_wait_s, op=MPI.MAX))
         return 1e3 * min(times)
 
-    names = ["compute", "dp, overlap", "dp, no overlap", "zero-1", "zero-2", "zero-3", "zero-3, no prefetch"]
+    names = ["compute"] + [m for m in args.modes if m != "compute"]
     step_ms(names[0])  # warm up the allocator and the BLAS
     results = {n: float("inf") for n in names}
     for _ in range(args.rounds):  # interleaved rounds: a shared machine's slow spells hit every mode alike

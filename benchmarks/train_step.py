@@ -58,7 +58,8 @@ def minipar_step(args: argparse.Namespace):
     return step
 
 
-def torch_step(args: argparse.Namespace):
+def torch_step(args: argparse.Namespace, wrap=lambda model: model):
+    """The PyTorch step; ``wrap`` puts the model in a wrapper first (benchmarks/ddp.py: DistributedDataParallel)."""
     import torch
     import torch.nn.functional as F
 
@@ -95,7 +96,7 @@ def torch_step(args: argparse.Namespace):
                 x = block(x)
             return F.cross_entropy((self.ln_f(x) @ self.wte.weight.T).view(-1, V), targets.view(-1))
 
-    model = GPT().to(dtype)
+    model = wrap(GPT().to(dtype))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     x = torch.randint(0, V, (args.batch_size, T))
     y = torch.randint(0, V, (args.batch_size, T))
