@@ -17,6 +17,7 @@ from minipar.models.gpt import GPT, GPTConfig
 from minipar.optim import AdamW
 from minipar.parallel.data_parallel import DataParallel
 from minipar.parallel.zero import ZeRO
+from train_step import add_data_parallel_arguments  # benchmarks/train_step.py
 
 
 MODES = ["compute", "dp, overlap", "dp, no overlap", "zero-1", "zero-2", "zero-3", "zero-3, no prefetch"]
@@ -24,20 +25,14 @@ MODES = ["compute", "dp, overlap", "dp, no overlap", "zero-1", "zero-2", "zero-3
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--n-embd", type=int, default=256)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=8, help="per rank")
-    ap.add_argument("--bucket-mb", type=float, default=1.0)
-    ap.add_argument("--steps", type=int, default=3, help="steps per round")
-    ap.add_argument("--rounds", type=int, default=3)
+    add_data_parallel_arguments(ap)
     ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES, help="compute is always run")
     args = ap.parse_args()
     world = Communicator()
     alone = world.split(color=world.rank, name="alone")
-    cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
-    x = np.random.default_rng(world.rank).integers(0, 256, (args.batch_size, args.block_size))
+    cfg = GPTConfig(vocab_size=args.vocab_size, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
+                    n_embd=args.n_embd)
+    x = np.random.default_rng(world.rank).integers(0, args.vocab_size, (args.batch_size, args.block_size))
 
     def engine_for(name: str):
         model = GPT(cfg)

@@ -19,21 +19,14 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from train_step import torch_step  # noqa: E402  (benchmarks/train_step.py)
+from train_step import add_data_parallel_arguments, torch_step  # noqa: E402  (benchmarks/train_step.py)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n-layer", type=int, default=4)
-    ap.add_argument("--n-embd", type=int, default=256)
-    ap.add_argument("--n-head", type=int, default=4)
-    ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--batch-size", type=int, default=8, help="per rank")
-    ap.add_argument("--bucket-mb", type=float, default=1.0)
-    ap.add_argument("--steps", type=int, default=3, help="steps per round")
-    ap.add_argument("--rounds", type=int, default=3)
+    add_data_parallel_arguments(ap)
     args = ap.parse_args()
-    args.vocab_size, args.dtype = 256, "float32"
+    args.dtype = "float32"
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     world = int(os.environ.get("PMI_SIZE", os.environ.get("OMPI_COMM_WORLD_SIZE", "1")))
     torch.set_num_threads(1)

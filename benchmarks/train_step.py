@@ -18,16 +18,29 @@ import sys
 import time
 
 
-def parse() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--framework", choices=["minipar", "torch"], default="minipar")
-    p.add_argument("--threads", type=int, default=1, help="BLAS/intra-op threads (set before numpy/torch load)")
+def add_model_arguments(p: argparse.ArgumentParser, per_rank: bool = False) -> None:
+    """The GPT's shape and batch: the same flags here, in data_parallel.py and in ddp.py."""
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=256)
     p.add_argument("--block-size", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8, help="per rank" if per_rank else None)
     p.add_argument("--vocab-size", type=int, default=256)
+
+
+def add_data_parallel_arguments(p: argparse.ArgumentParser) -> None:
+    """What data_parallel.py and ddp.py share: the model, a batch per rank, buckets and interleaved rounds."""
+    add_model_arguments(p, per_rank=True)
+    p.add_argument("--bucket-mb", type=float, default=1.0)
+    p.add_argument("--steps", type=int, default=3, help="steps per round")
+    p.add_argument("--rounds", type=int, default=3)
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--framework", choices=["minipar", "torch"], default="minipar")
+    p.add_argument("--threads", type=int, default=1, help="BLAS/intra-op threads (set before numpy/torch load)")
+    add_model_arguments(p)
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
