@@ -278,9 +278,8 @@ class Communicator:
             self._record(label or "p2p", nbytes)
 
     def _waiting(self, peer: int) -> None:
-        """Tell the watchdog this thread now blocks on ``peer`` (a rank of this communicator)."""
-        if not _WAITS.timeout:
-            return
+        """Tell the watchdog this thread now blocks on ``peer`` (a rank of this communicator). Callers test
+        ``_WAITS.timeout`` first, so that with the watchdog off a blocking call costs no Python call more."""
         running = self._running
         what = (f"{running.name} on communicator {self.name}" if running.thread == threading.get_ident()
                 else f"a point-to-point message on communicator {self.name}")
@@ -288,26 +287,32 @@ class Communicator:
 
     def sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int, tag: int) -> None:
         """Send ``send`` to ``dest`` while receiving ``recv`` from ``source`` (contiguous host arrays)."""
-        self._waiting(source)
+        if _WAITS.timeout:
+            self._waiting(source)
         self.mpi.Sendrecv([send, MPI.BYTE], dest, tag, [recv, MPI.BYTE], source, tag)
-        _WAITS.end()
+        if _WAITS.timeout:
+            _WAITS.end()
         self._sent(send.nbytes)
 
     def send(self, x: Any, dest: int, tag: int = 0, label: str | None = None) -> None:
         """Blocking send of an xp array (cupy arrays are staged through the host); bytes filed under ``label``."""
         host = np.ascontiguousarray(to_host(x))
-        self._waiting(dest)
+        if _WAITS.timeout:
+            self._waiting(dest)
         self.mpi.Send([host, MPI.BYTE], dest, tag)
-        _WAITS.end()
+        if _WAITS.timeout:
+            _WAITS.end()
         self._sent(host.nbytes, label)
 
     def recv(self, x: Any, source: int, tag: int = 0) -> Any:
         """Blocking receive into the preallocated xp array ``x``; returns ``x``."""
         direct = not on_gpu(x) and x.flags.c_contiguous
         host = x if direct else np.empty(x.shape, x.dtype)
-        self._waiting(source)
+        if _WAITS.timeout:
+            self._waiting(source)
         self.mpi.Recv([host, MPI.BYTE], source, tag)
-        _WAITS.end()
+        if _WAITS.timeout:
+            _WAITS.end()
         if not direct:
             x[...] = _like(x, host)
         return x
@@ -596,10 +601,11 @@ class Communicator:
         it runs — so a collective issued on the main thread while a submitted function is still
         waiting to issue its own gets the later number on every rank, however the threads are timed.
         """
-        for buffer, what in ((x if in_place else None, "its buffer"), (details.pop("out", None), "out")):
-            if buffer is not None and not on_gpu(buffer) and not buffer.flags.writeable:  # before any message
-                raise ValueError(f"{name}: {what} is read-only, and the collective writes its result there "
-                                 "(pass a writable copy)")
+        out = details.pop("out", None)  # before any message: the buffers the result goes to are writable
+        if in_place:
+            _check_writable(name, x, "its buffer")
+        if out is not None:
+            _check_writable(name, out, "out")
         call = (name, label or name, x, run, in_place, same_shape, details, _call_site() if self.debug else None)
         if async_op:
             return self._worker_thread().submit(lambda: self._execute(*call))
@@ -704,10 +710,11 @@ class _RequestHandle(Handle):
 
     def wait(self) -> Any:
         if not self._done.is_set():
-            if self._waits is not None:
+            if _WAITS.timeout and self._waits is not None:
                 self._waits[0]._waiting(self._waits[1])
             self._request.Wait()
-            _WAITS.end()
+            if _WAITS.timeout:
+                _WAITS.end()
             self._complete()
         return self._result
 
@@ -740,6 +747,12 @@ def _call_site() -> str:
         if not os.path.abspath(frame.filename).startswith(_COMM_DIR):
             return f"{os.path.basename(frame.filename)}:{frame.lineno}"
     return "?"
+
+
+def _check_writable(collective: str, buffer: Any, what: str) -> None:
+    if not on_gpu(buffer) and not buffer.flags.writeable:
+        raise ValueError(f"{collective}: {what} is read-only, and the collective writes its result there "
+                         "(pass a writable copy)")
 
 
 def _copy_into(out: Any, result: Any) -> Any:
