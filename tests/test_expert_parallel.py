@@ -254,6 +254,8 @@ def _expert_shard_groups():
     index = group.index(world.rank)
     assert members(mesh.expert_shard_replica_comm) == [r for r in range(8) if r % 2 == experts and
                                                        (r % 4) // 2 == index]
+    groups = [c for c in vars(mesh).values() if isinstance(c, Communicator)]
+    assert set(mesh.communicators()) == set(groups) and len(groups) == 12  # the step's byte report misses none
 
 
 def test_progress_line_reports_drops_and_expert_load():

@@ -87,9 +87,10 @@ class Mesh:
 
     def communicators(self) -> list[Communicator]:
         """Every distinct group of this rank, the world first (a step's byte report sums their counters)."""
-        return list(dict.fromkeys([self.world, self.dp_comm, self.cp_comm, self.tp_comm, self.pp_comm, self.grad_comm,
-                                   self.ep_comm, self.expert_grad_comm, self.shard_comm,
-                                   *([self.shard_replica_comm] if self.shard_replica_comm else [])]))
+        groups = [self.world, self.dp_comm, self.cp_comm, self.tp_comm, self.pp_comm, self.grad_comm, self.ep_comm,
+                  self.expert_grad_comm, self.shard_comm, self.shard_replica_comm, self.expert_shard_comm,
+                  self.expert_shard_replica_comm]
+        return list(dict.fromkeys(g for g in groups if g is not None))
 
     def _group(self, axes: list[str], coords: dict[str, int], name: str | None = None) -> Communicator:
         """The ranks whose coordinates differ from this rank's only along ``axes`` (key: their order there)."""
