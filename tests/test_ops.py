@@ -105,20 +105,21 @@ def test_embedding():
     gradcheck(lambda w: ops.embedding(idx, w), randn(5, 4))
 
 
-@pytest.mark.parametrize("shape", [(4, 64), (300,), (0,), (1, 1)])
-def test_embedding_gradient_is_the_scatter_add(shape):
-    """dW[v] = Σ_{i: idx[i] = v} g[i], against numpy's add.at, with repeated and unused tokens and no tokens at all.
-    Integer-valued g: every order of summation gives the exact sum, so the two must be equal."""
+@pytest.mark.parametrize("tokens", ["random", "one", "none"])
+def test_embedding_gradient_is_add_at_bit_for_bit(tokens):
+    """dW[v] = Σ_{i: idx[i] = v} g[i], summed in input order: the same bits as numpy's add.at (an independent
+    oracle), signed zeros included, with repeated and unused tokens, one token everywhere, and no tokens."""
     rng = np.random.default_rng(0)
     vocab, width = 37, 5
-    idx = rng.integers(0, vocab, shape)
-    g = rng.integers(-8, 8, (*shape, width)).astype(np.float64)
+    idx = {"random": rng.integers(0, vocab, (4, 64)), "one": np.full(300, 7), "none": np.zeros((0,), int)}[tokens]
+    g = rng.standard_normal((*idx.shape, width))
+    g[g < -1.5] = -0.0
     ctx = Context()
     ops.Embedding.forward(ctx, idx, np.zeros((vocab, width)))
     _, gw = ops.Embedding.backward(ctx, g)
     expected = np.zeros((vocab, width))
     np.add.at(expected, idx.reshape(-1), g.reshape(-1, width))
-    assert gw.dtype == np.float64 and np.array_equal(gw, expected)
+    assert gw.dtype == np.float64 and np.array_equal(gw, expected) and np.array_equal(np.signbit(gw), np.signbit(expected))
 
 
 @pytest.mark.parametrize("ignore", [False, True])
