@@ -246,7 +246,8 @@ def _is_basic_index(index: Any) -> bool:
 
 
 class GetItem(Function):
-    """z = a[index]; the backward scatters g into zeros (adding where an integer index repeats)."""
+    """z = a[index]; the backward scatters g into zeros (adding where an integer index repeats; an integer array
+    picks whole rows, which :func:`_scatter_add_rows` adds as an embedding's gradient)."""
 
     @staticmethod
     def forward(ctx: Context, a: Any, index: Any) -> Any:
@@ -256,10 +257,14 @@ class GetItem(Function):
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
         grad = xp.zeros(ctx.shape, dtype=ctx.dtype)
-        if _is_basic_index(ctx.index):
-            grad[ctx.index] = g
+        index = ctx.index
+        if _is_basic_index(index):
+            grad[index] = g
+        elif isinstance(index, xp.ndarray) and index.dtype.kind in "iu" and grad.size:  # whole rows, as an embedding's
+            width = math.prod(ctx.shape[1:])
+            _scatter_add_rows(grad.reshape(-1, width), (index % len(grad)).reshape(-1), g.reshape(-1, width))
         else:
-            xp.add.at(grad, ctx.index, g)
+            xp.add.at(grad, index, g)
         return grad, None
 
 

@@ -46,6 +46,8 @@ def test_shape_ops():
     gradcheck(lambda t: t.T, x)
     gradcheck(lambda t: t[1, :, 1:3], x)
     gradcheck(lambda t: t[np.array([0, 2, 2]), 1], x.transpose(1, 0, 2))  # repeated integer index: scatter-add
+    gradcheck(lambda t: t[np.array([[0, 2], [2, -2]])], x.transpose(1, 0, 2))  # whole rows, one of them twice
+    gradcheck(lambda t: t[np.array([1, 1, -3])], randn(5))
     gradcheck(lambda a, b: ops.concat([a, b], axis=1), x, randn(2, 5, 4))
 
 
@@ -120,6 +122,9 @@ def test_embedding_gradient_is_add_at_bit_for_bit(tokens):
     expected = np.zeros((vocab, width))
     np.add.at(expected, idx.reshape(-1), g.reshape(-1, width))
     assert gw.dtype == np.float64 and np.array_equal(gw, expected) and np.array_equal(np.signbit(gw), np.signbit(expected))
+    rows = Tensor(np.zeros((vocab, width)), requires_grad=True)  # indexing whole rows scatters the same way
+    rows[idx - vocab * (idx % 2)].backward(g)  # odd tokens as negative indices
+    assert np.array_equal(rows.grad, expected) and np.array_equal(np.signbit(rows.grad), np.signbit(expected))
 
 
 @pytest.mark.parametrize("ignore", [False, True])
