@@ -601,8 +601,8 @@ def _scatter_add_rows(out: Any, index: Any, rows: Any) -> None:
         return
     by_index = xp.argsort(index, kind="stable")
     sorted_index = index[by_index]
-    starts = xp.flatnonzero(xp.concatenate((xp.ones(1, bool), sorted_index[1:] != sorted_index[:-1])))
-    occurrence = xp.arange(index.size) - xp.repeat(starts, xp.diff(xp.append(starts, index.size)))
+    first = xp.concatenate((xp.ones(1, bool), sorted_index[1:] != sorted_index[:-1]))  # where each index's rows begin
+    occurrence = xp.arange(index.size) - xp.flatnonzero(first)[xp.cumsum(first) - 1]
     by_occurrence = xp.argsort(occurrence, kind="stable")
     targets, picked = sorted_index[by_occurrence], rows[by_index[by_occurrence]]
     bounds = [0, *xp.cumsum(xp.bincount(occurrence)).tolist()]
