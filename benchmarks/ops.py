@@ -5,8 +5,8 @@
 
 Each row runs one op of benchmarks/train_step.py's GPT on fresh inputs of the step's shapes, forward and backward
 (AdamW: one update of as many parameters as the model has), minipar and PyTorch taking turns --rounds times; it
-prints the median of each and their ratio. PyTorch's attention is written as the step's is (q·kᵀ, mask, softmax,
-·v), not as its fused scaled_dot_product_attention, so that the rows compare one engine with another. Where the
+prints the median of each and their ratio. PyTorch's attention is the step's (train_step.torch_causal_attention:
+q·kᵀ, mask, softmax, ·v, not the fused kernel), so that the rows compare one engine with another. Where the
 step benchmark says minipar is behind, this says which op.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import os
 import time
 
 from speed import cpu_model  # benchmarks/speed.py
-from train_step import add_model_arguments  # benchmarks/train_step.py
+from train_step import add_model_arguments, torch_causal_attention  # benchmarks/train_step.py
 
 
 def cases(args: argparse.Namespace) -> dict:
@@ -50,13 +50,6 @@ def cases(args: argparse.Namespace) -> dict:
         y = fn(*inputs)
         y.backward(torch.tensor(grads[tuple(y.shape)]) if y.ndim else None)
 
-    mask = torch.triu(torch.ones(T, T, dtype=torch.bool), 1)
-
-    def torch_attention(a):
-        q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in a.split(C, dim=2))
-        att = ((q @ k.transpose(-2, -1)) / (C // H) ** 0.5).masked_fill(mask, float("-inf")).softmax(-1)
-        return (att @ v).transpose(1, 2).reshape(B, T, C)
-
     n_params = V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C  # GPT-2's count: embeddings, blocks, final norm
     p, g, m, v2 = (np.zeros(n_params, np.float32) for _ in range(4))
     p_torch = torch.zeros(n_params, requires_grad=True)
@@ -68,7 +61,7 @@ def cases(args: argparse.Namespace) -> dict:
                        lambda: theirs(lambda a, c, d: F.layer_norm(a, (C,), c, d), x, w, b)),
         "GELU": (lambda: ours(ops.gelu, h), lambda: theirs(lambda a: F.gelu(a, approximate="tanh"), h)),
         "attention (q·kᵀ, softmax, ·v)": (lambda: ours(lambda a: ops.causal_self_attention(a, H), qkv),
-                                          lambda: theirs(torch_attention, qkv)),
+                                          lambda: theirs(lambda a: torch_causal_attention(a, H), qkv)),
         "linear C→4C": (lambda: ours(ops.linear, rows, w_fc), lambda: theirs(lambda a, c: a @ c, rows, w_fc)),
         "embedding": (lambda: ours(lambda e: ops.embedding(idx, e), wte),
                       lambda: theirs(lambda e: F.embedding(idx_torch, e), wte)),

@@ -71,6 +71,18 @@ def minipar_step(args: argparse.Namespace):
     return step
 
 
+def torch_causal_attention(qkv, n_head: int):
+    """minipar's ops.causal_self_attention in PyTorch, op for op: packed (B, T, 3C) q|k|v, q·kᵀ/√D, causal mask,
+    softmax, ·v, heads concatenated (B, T, C) — not the fused scaled_dot_product_attention."""
+    import torch
+
+    B, T, C = qkv.shape[0], qkv.shape[1], qkv.shape[2] // 3
+    q, k, v = (t.view(B, T, n_head, C // n_head).transpose(1, 2) for t in qkv.split(C, dim=2))
+    att = (q @ k.transpose(-2, -1)) / (C // n_head) ** 0.5
+    att = att.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf")).softmax(-1)
+    return (att @ v).transpose(1, 2).reshape(B, T, C)
+
+
 def torch_step(args: argparse.Namespace, wrap=lambda model: model):
     """The PyTorch step; ``wrap`` puts the model in a wrapper first (benchmarks/ddp.py: DistributedDataParallel)."""
     import torch
@@ -88,12 +100,7 @@ def torch_step(args: argparse.Namespace, wrap=lambda model: model):
             self.c_fc, self.mlp_proj = torch.nn.Linear(C, 4 * C), torch.nn.Linear(4 * C, C)
 
         def forward(self, x):
-            B = x.shape[0]
-            q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
-            q, k, v = (t.view(B, T, H, C // H).transpose(1, 2) for t in (q, k, v))
-            att = (q @ k.transpose(-2, -1)) / (C // H) ** 0.5
-            att = att.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf")).softmax(-1)
-            x = x + self.attn_proj((att @ v).transpose(1, 2).reshape(B, T, C))
+            x = x + self.attn_proj(torch_causal_attention(self.c_attn(self.ln_1(x)), H))
             return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x)), approximate="tanh"))
 
     class GPT(torch.nn.Module):
