@@ -61,7 +61,7 @@ class CostModel:
             if algorithm == "ring":
                 return 2 * (p - 1) * a + 2 * (p - 1) / p * n * b + (p - 1) / p * n * g
             if algorithm == "recursive_doubling":
-                return (lg + 2 * fold) * (a + n * b) + (lg + fold + lg % 2) * n * g  # + the copy back
+                return (lg + 2 * fold) * (a + n * b) + (lg + fold) * n * g
             if algorithm == "rabenseifner":
                 return (2 * lg + 2 * fold) * a + (2 * share + 2 * fold) * n * b + (share + fold) * n * g
             if algorithm == "hierarchical":
