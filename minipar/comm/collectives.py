@@ -257,8 +257,9 @@ def recursive_doubling_all_reduce(comm: Any, buf: np.ndarray, op: str, tag: int)
     memory the partner has only now read those cache lines, and writing them back costs an
     ownership transfer per line (2–4× the add's time, measured at 64 KiB). The partial result
     alternates between ``buf`` and one scratch buffer; the last round writes into ``buf`` whichever holds
-    the partial, since a copy back from the scratch would write those lines too, and read n more bytes
-    (5–12% faster at p = 2, 1 KiB–1 MiB). T = (log₂p' + 2fold)(α + nβ) + (log₂p' + fold)·nγ.
+    the partial, since a copy back from the scratch would write those lines too, and read n more bytes (p = 2,
+    AMD EPYC: 5–14% faster at 1–12 KiB and 48 KiB–1 MiB; 5–11% slower at 16–32 KiB, for a reason not pinned
+    down). T = (log₂p' + 2fold)(α + nβ) + (log₂p' + fold)·nγ.
     """
     p, r = comm.size, comm.rank
     reduce = REDUCE_OPS[op]
