@@ -9,7 +9,7 @@ Costs in the α-β-γ model (α: per-message latency, β: seconds per byte sent,
 copied; n: bytes; p' the largest power of two ≤ p, fold = 1 when p is not one):
 
     all-reduce     ring               2(p−1)α + 2(p−1)/p·nβ + (p−1)/p·nγ
-                   recursive doubling (log₂p' + 2fold)(α + nβ) + (log₂p' + fold + [log₂p' odd])·nγ
+                   recursive doubling (log₂p' + 2fold)(α + nβ) + (log₂p' + fold)·nγ
                    Rabenseifner       (2log₂p' + 2fold)α + (2(p'−1)/p' + 2fold)·nβ + ((p'−1)/p' + fold)·nγ
                    hierarchical       ring RS + AG inside a node of q ranks, all-reduce of n/q across nodes
     reduce-scatter ring               (p−1)α + (p−1)/p·n(β + γ)
