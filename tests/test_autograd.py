@@ -105,21 +105,24 @@ def test_graph_is_freed_after_backward():
 
 def test_split_backward_defers_only_the_weights():
     """backward(defer=weights) computes the input's gradient (B); run() adds the weights' (W), each once, with
-    their hooks firing there — also through ops that ignore needs_input_grad (Add returns both gradients)."""
+    their hooks firing there — also through ops that ignore needs_input_grad (Add returns both gradients): with
+    the weight as the first input or the second, and beside a constant, which gets no gradient in either half."""
     rng = np.random.default_rng(0)
     values = [rng.standard_normal(s) for s in ((3, 4), (4, 5), (5,))]
     results = []
     for split in (False, True):
         x, w, b = (Tensor(v, requires_grad=True) for v in values)
+        constant = Tensor(rng.standard_normal(5))
         fired = []
         for name, t in (("w", w), ("b", b)):
             t.register_hook(lambda t, name=name: fired.append(name))
-        y = (ops.tanh(ops.linear(x, w) + b) * (x @ w)).sum()  # w used twice, b through Add
+        # w used twice; b through Add, first (with x's path second) and second; b + constant: all of it waits for W
+        y = (ops.tanh(b + ops.linear(x, w)) * (x @ w + b)).sum() + (b + constant).sum()
         deferred = y.backward(defer={id(w), id(b)} if split else None)
         if split:
             assert x.grad is not None and w.grad is None and b.grad is None and not fired
             deferred.run()
-        assert sorted(fired) == ["b", "w"]
+        assert sorted(fired) == ["b", "w"] and constant.grad is None
         results.append((x.grad, w.grad, b.grad))
     for plain, split in zip(*results):
         np.testing.assert_allclose(split, plain, rtol=1e-12)
