@@ -62,6 +62,46 @@ def test_cost_model_behaves():
     assert gpipe.breakdown["activations"] > more.breakdown["activations"]  # GPipe holds m microbatches, 1F1B p
 
 
+def test_communication_terms_are_their_closed_forms():
+    """Each axis's communication time, written out here from its algorithm: data parallelism a ring all-reduce
+    of the gradients (experts' over their dp/ep replicas), exposed but for the profile's overlap; pipeline one
+    activation forward and one gradient back per microbatch and chunk; ring attention K|V forward, hidden behind
+    a block's attention when faster, and K|V|dK|dV backward; nothing for an axis of one rank. Parameter counts
+    come from the model's arrays, not from the config's formula."""
+    from minipar.models.gpt import GPT
+
+    alpha, beta, overlap = 1e-5, 1e-9, 0.25
+    profile = planner.Profile("test", flops=1e12, bandwidth=1e11, op_overhead=0.0, memory=1e12, devices_per_node=64,
+                              intra=planner.Link(alpha, beta), inter=planner.Link(alpha, beta), overlap=overlap)
+    ring = lambda n_bytes, p: 2 * (p - 1) * alpha + 2 * (p - 1) / p * n_bytes * beta  # noqa: E731
+    psi = sum(p.size for p in GPT(CFG).parameters())
+    exposed = lambda layout, cfg=CFG: planner.predict(cfg, 16, layout, profile).breakdown["dp_comm_exposed"]  # noqa: E731
+    assert exposed(planner.Layout(1, 1, 1)) == 0.0
+    assert exposed(planner.Layout(4, 1, 1)) == pytest.approx(ring(4 * psi, 4) * (1 - overlap), rel=1e-12)
+    moe = dataclasses.replace(CFG, n_expert=4)
+    experts = sum(p.size for name, p in GPT(moe).named_parameters() if ".mlp.c_" in name)  # E stacked GELU MLPs
+    dense = sum(p.size for p in GPT(moe).parameters()) - experts
+    assert exposed(planner.Layout(4, 1, 1, ep=2), moe) == pytest.approx(
+        (ring(4 * dense, 4) + ring(4 * experts / 2, 2)) * (1 - overlap), rel=1e-12)
+
+    tokens = 16 // 8 * CFG.block_size  # per microbatch: 8 microbatches of 2 sequences
+    for schedule, chunks in (("1f1b", 1), ("interleaved", 2)):
+        pp = planner.predict(CFG, 16, planner.Layout(1, 1, 4, 0, 8, schedule, virtual_stages=chunks), profile)
+        assert pp.breakdown["pp_comm"] == pytest.approx(8 * chunks * 2 * (alpha + tokens * CFG.n_embd * 4 * beta),
+                                                        rel=1e-12)
+    assert planner.predict(CFG, 16, planner.Layout(1, 1, 1), profile).breakdown["pp_comm"] == 0.0
+
+    shard = 16 * CFG.block_size // 2 * CFG.n_embd * 4  # bytes of one of q, k, v on a rank: 16 sequences, half each
+    block = 4 * 16 * (CFG.block_size // 2) ** 2 * CFG.n_embd / profile.flops  # q·kᵀ and p·v of one block pair
+    for a, b in ((alpha, beta), (1e-7, 1e-13)):  # the forward exchange exposed; hidden behind the block
+        fast = dataclasses.replace(profile, intra=planner.Link(a, b), inter=planner.Link(a, b))
+        forward = max(0.0, a + 2 * shard * b - block)
+        assert (forward == 0.0) == (a == 1e-7)
+        cp = planner.predict(CFG, 16, planner.Layout(1, 1, 1, cp=2), fast).breakdown["cp_comm"]
+        assert cp == pytest.approx(CFG.n_layer * (forward + 2 * (a + 4 * shard * b)), rel=1e-12)
+    assert {p.layout.recompute for p in planner.plan(CFG, 4, 16, profile)} == {"none"}  # recomputation: asked for
+
+
 def test_gpt3_175b_on_1024_a100s_megatrons_layout_is_near_the_best():
     """Under 2021's options (no ZeRO, cp or sp; full recomputation, as every run of Narayanan et al. 2021;
     1F1B) and Megatron-LM 2021's code (validation.py: no DP overlap, unfused attention, its fitted GEMM
