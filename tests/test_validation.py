@@ -64,5 +64,5 @@ def test_plan_validate_prints_every_run_and_the_summary():
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert sum("Narayanan" in line or "Korthikanti" in line for line in lines) == 24
-    assert lines[-1].startswith("max error ") and "mean absolute error" in lines[-1]
+    assert lines[-1] == "max error 8.1%, mean absolute error 2.3% over 24 runs"  # test_every_published_run_...
     assert any(line.startswith("leave-one-out") for line in lines)

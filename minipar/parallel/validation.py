@@ -185,13 +185,11 @@ def report(profile: planner.Profile, runs: list[PublishedRun] = PUBLISHED_RUNS, 
     """The validation table: each run, the layout predicted, published and predicted step time, the error."""
     efficiency = fit(profile, runs)
     lines = [f"{'run':<15}{'layout':<56}{'published s':>12}{'predicted s':>12}{'error':>8}  source"]
-    errs = []
-    for run in runs:
+    errs = errors(profile, efficiency, runs)
+    for run, err in zip(runs, errs):
         pred = predict_run(run, run_profile(run, profile, efficiency))
-        published = run.published_seconds()
-        errs.append(pred.step_time / published - 1)
-        lines.append(f"{run.name:<15}{str(pred.layout):<56}{published:>12.2f}{pred.step_time:>12.2f}{errs[-1]:>+8.1%}"
-                     f"  {run.source}")
+        lines.append(f"{run.name:<15}{str(pred.layout):<56}{run.published_seconds():>12.2f}{pred.step_time:>12.2f}"
+                     f"{err:>+8.1%}  {run.source}")
     errs = np.abs(errs)
     lines.append("GEMM efficiency fitted per code base: "
                  + ", ".join(f"{base} {eff:.3f}" for base, eff in efficiency.items()))
