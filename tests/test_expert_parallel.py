@@ -256,6 +256,9 @@ def _expert_shard_groups():
                                                        (r % 4) // 2 == index]
     groups = [c for c in vars(mesh).values() if isinstance(c, Communicator)]
     assert set(mesh.communicators()) == set(groups) and len(groups) == 12  # the step's byte report misses none
+    whole = Mesh(world, dp=4, cp=2, ep=2)  # one shard group of every replica: nothing replicates across groups
+    assert whole.shard_comm is whole.grad_comm and whole.expert_shard_comm is whole.expert_grad_comm
+    assert whole.shard_replica_comm is None and whole.expert_shard_replica_comm is None
 
 
 def test_progress_line_reports_drops_and_expert_load():
