@@ -54,6 +54,9 @@ def test_config_counts_the_parameters():
     for kw in (TINY, dict(TINY, n_layer=3, vocab_size=300), dict(TINY, n_expert=3, expert_top_k=2)):
         cfg = GPTConfig(**kw)
         assert cfg.num_parameters() == GPT(cfg).num_parameters() == sum(p.size for p in GPT(cfg).parameters())
+        if not cfg.n_expert:  # the planner's FLOPs per token: 2 per weight-matrix entry of a (dense) block
+            block = [p for name, p in GPT(cfg).named_parameters() if ".0." in name and p.ndim == 2]
+            assert sum(cfg.layer_weights()) == sum(p.size for p in block)
 
 
 def test_default_vocabulary_holds_every_byte():

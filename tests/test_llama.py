@@ -96,9 +96,12 @@ def test_forward_equals_the_reference_and_gradients_the_finite_differences(kv, t
 def test_parameter_count_and_the_default_width():
     cfg = LlamaConfig(**{**SMALL, "n_inner": 0}, n_kv_head=2)
     assert cfg.mlp_width == llama_inner(16) == 256 and llama_inner(4096) == 11008  # Llama 2 7B's intermediate size
-    assert cfg.num_parameters() == Llama(cfg).num_parameters()
-    assert LlamaConfig(**SMALL, tie_word_embeddings=True).num_parameters() == Llama(
-        LlamaConfig(**SMALL, tie_word_embeddings=True)).num_parameters()
+    for config in (cfg, LlamaConfig(**SMALL, tie_word_embeddings=True), LlamaConfig(**SMALL, n_expert=3)):
+        model = Llama(config)
+        assert config.num_parameters() == sum(p.size for p in model.parameters())
+        if not config.n_expert:  # the planner's FLOPs per token: 2 per weight-matrix entry of a (dense) block
+            block = [p for name, p in model.named_parameters() if ".0." in name and p.ndim == 2]
+            assert sum(config.layer_weights()) == sum(p.size for p in block)
 
 
 def test_hugging_face_directory_round_trip_and_refusals(tmp_path):
@@ -209,6 +212,7 @@ def test_a_checkpoint_reshards_and_exports(tmp_path):
     (["--arch", "llama", "--n-kv-head", "3"], "n_kv_head (3) must divide n_head (4)"),
     (["--n-kv-head", "2"], "--n-kv-head has no effect here: it needs --arch llama"),
     (["--arch", "llama", "--n-head", "4", "--n-embd", "12"], "must be even: RoPE rotates pairs"),
+    (["--arch", "llama", "--rope-theta", "0"], "rope_theta > 0"),
 ])
 def test_bad_llama_flags_are_refused_in_one_line(flags, message):
     import subprocess

@@ -98,13 +98,13 @@ class GPTConfig:
         scale = 1.0 / math.sqrt(self.head_dim) if self.scale_attn_weights else 1.0
         return scale / (layer + 1) if self.scale_attn_by_inverse_layer_idx else scale
 
-    def num_parameters(self, layers: int | None = None, embeddings: bool = True, final_norm: bool = True) -> int:
+    def num_parameters(self, layers: int | None = None, final_norm: bool = True) -> int:
         """Parameter count: 12C² + 13C per block (with E experts: 4C² + 8C + E·(8C² + 6C)), V·C + T·C for the
         embeddings (the head is tied), 2C for ln_f."""
         C, E = self.n_embd, self.n_expert
         per_block = 12 * C * C + 13 * C if not E else 4 * C * C + 8 * C + E * (8 * C * C + 6 * C)
         blocks = (self.n_layer if layers is None else layers) * per_block
-        return blocks + (self.vocab_size * C + self.block_size * C if embeddings else 0) + (2 * C if final_norm else 0)
+        return blocks + self.vocab_size * C + self.block_size * C + (2 * C if final_norm else 0)
 
 
 class CausalSelfAttention(Module):

@@ -89,7 +89,7 @@ class LlamaConfig(GPTConfig):
         attention output (2) and the SwiGLU's gate | up and product (6·I/h)."""
         return 8.0, 8.0 + 4.0 * self.kv_heads / self.n_head + 6.0 * self.mlp_width / self.n_embd
 
-    def num_parameters(self, layers: int | None = None, embeddings: bool = True, final_norm: bool = True) -> int:
+    def num_parameters(self, layers: int | None = None, final_norm: bool = True) -> int:
         """Per block: attention C·(H + 2K)·D + H·D·C, SwiGLU 3·C·I (with E experts: C·E router + E·(8C² + 5C)
         GELU experts), two norms 2C; the embedding V·C (twice when untied); the final norm C."""
         C, D, H, K, E = self.n_embd, self.head_dim, self.n_head, self.kv_heads, self.n_expert
@@ -97,7 +97,7 @@ class LlamaConfig(GPTConfig):
         per_block = C * (H + 2 * K) * D + H * D * C + mlp + 2 * C
         blocks = (self.n_layer if layers is None else layers) * per_block
         table = self.vocab_size * C * (1 if self.tie_word_embeddings else 2)
-        return blocks + (table if embeddings else 0) + (C if final_norm else 0)
+        return blocks + table + (C if final_norm else 0)
 
 
 class RotaryAttention(CausalSelfAttention):
