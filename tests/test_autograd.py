@@ -71,6 +71,25 @@ def test_float32_stays_float32():
     assert x.grad.dtype == np.float32 and w.grad.dtype == np.float32
 
 
+def test_16_bit_inputs_compute_in_float32_and_store_in_16_bits():
+    """Autocast: an op with a float16 input computes on float32 copies (integer inputs, indices, stay as they are)
+    and stores its output in float16; a scalar (a loss) stays float32; the gradients come back in float16."""
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((5, 3)).astype(np.float16)
+    rows = np.array([4, 0, 4])
+    x = Tensor(table, requires_grad=True)
+    y = x[rows] * x[rows]
+    assert y.dtype == np.float16
+    np.testing.assert_array_equal(y.data, (table[rows].astype(np.float32) ** 2).astype(np.float16))
+    loss = y.sum()
+    assert loss.dtype == np.float32 and loss.data.ndim == 0
+    loss.backward()
+    assert x.grad.dtype == np.float16
+    expected = np.zeros((5, 3), np.float32)
+    np.add.at(expected, rows, 2 * table[rows].astype(np.float32))
+    np.testing.assert_array_equal(x.grad, expected.astype(np.float16))
+
+
 def test_backward_needs_scalar_or_gradient():
     x = Tensor(np.ones(3), requires_grad=True)
     with pytest.raises(RuntimeError, match="scalar"):

@@ -59,6 +59,19 @@ def test_config_counts_the_parameters():
             assert sum(cfg.layer_weights()) == sum(p.size for p in block)
 
 
+def test_load_state_dict_names_what_is_missing_and_unexpected():
+    """strict: a KeyError naming the first five missing and unexpected names, "..." when there are more."""
+    model = GPT(GPTConfig(**TINY))
+    names = sorted(dict(model.named_parameters()))
+    with pytest.raises(KeyError) as err:
+        model.load_state_dict({"extra": np.zeros(1)})
+    assert err.value.args[0] == f"state_dict mismatch: missing {names[:5]}..., unexpected ['extra']"
+    extra = {f"extra.{i}": np.zeros(1) for i in range(6)}
+    with pytest.raises(KeyError) as err:
+        model.load_state_dict({**{name: p.data for name, p in model.named_parameters() if name not in names[:5]}, **extra})
+    assert err.value.args[0] == f"state_dict mismatch: missing {names[:5]}, unexpected {sorted(extra)[:5]}..."
+
+
 def test_default_vocabulary_holds_every_byte():
     from minipar.data import ByteTokenizer
 
