@@ -2,6 +2,8 @@
 inverse for every block structure minipar uses (q|k|v with grouped or shared K/V heads, gate|up, padded
 vocabulary rows), rank r's piece is the units an independent index computation gives, and the norm weights
 count every element of the full gradient exactly once over all ranks."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ rng = np.random.default_rng(0)
 
 SPLITS = [("q|k|v, K = H", Split(-1, ((4, 3), (4, 3), (4, 3)))),
           ("q|k|v, K < H", Split(-1, ((8, 2), (2, 2), (2, 2)))),
+          ("q|k|v, K = 1", Split(-1, ((4, 2), (1, 2), (1, 2)))),  # one K/V head: shared by every tp rank
           ("gate|up", Split(-1, ((12, 1), (12, 1)))),
           ("rows of heads", Split(0, ((4, 3),))),
           ("vocabulary", Split(0, ((10, 1),), pad=True))]
@@ -61,3 +64,12 @@ def test_norm_weights_count_every_element_once(name, split, tp, ep, experts):
                 total += float((placement.norm_weight(piece.ndim) * piece ** 2).sum())
         whole += float((full ** 2).sum())
     assert total == pytest.approx(whole, rel=1e-12)
+
+
+def test_a_placement_is_a_value():
+    """Parameters share placement objects (every expert tensor holds moe.EXPERTS; ``placed`` makes new ones):
+    changing one in place would move every parameter that shares it, so it cannot be changed."""
+    placement = Placement(tp=SPLITS[0][1], tp_size=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        placement.tp_size = 4
+    assert hash(placement) == hash(Placement(tp=SPLITS[0][1], tp_size=2))
