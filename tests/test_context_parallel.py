@@ -48,6 +48,10 @@ def test_matches_single_process(tmp_path, single, layout, kind, split):
     for record in result[0]:
         assert record["comm_bytes_by_op"]["cp_forward"] == forward
         assert record["comm_bytes_by_op"]["cp_backward"] == backward
+        report = record.get("context")  # ring attention's balance, each step (Ulysses' heads are balanced anyway)
+        assert (report is not None) == (kind == "ring")
+        if report:  # zigzag: every rank scores the same (query, key) pairs; contiguous: the last rank the most
+            assert (report["attention_pairs_max"] == report["attention_pairs_min"]) == (split == "zigzag")
 
 
 def _attention_work(split):
