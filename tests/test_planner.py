@@ -101,6 +101,40 @@ def test_communication_terms_are_their_closed_forms():
         assert cp == pytest.approx(CFG.n_layer * (forward + 2 * (a + 4 * shard * b)), rel=1e-12)
     assert {p.layout.recompute for p in planner.plan(CFG, 4, 16, profile)} == {"none"}  # recomputation: asked for
 
+    # experts: per layer the routing counts (E int64) and 4 all-to-alls of the k routed copies of the tokens (dispatch
+    # and combine, forward and backward), pairwise; over one node's link when the ep group's ranks (ep·tp of them
+    # here) fit on a node, else over the slower link between nodes
+    two_level = dataclasses.replace(profile, devices_per_node=2, inter=planner.Link(10 * alpha, 10 * beta))
+    for dp, tp, link in ((4, 1, two_level.intra), (2, 2, two_level.inter)):
+        tokens = 16 // dp * CFG.block_size
+        all_to_all = lambda n: (2 - 1) * link.alpha + (2 - 1) / 2 * n * link.beta  # noqa: E731
+        expected = CFG.n_layer * (all_to_all(8 * 4) + 4 * all_to_all(moe.expert_top_k * tokens * CFG.n_embd * 4))
+        ep = planner.predict(moe, 16, planner.Layout(dp, tp, 1, ep=2), two_level).breakdown["ep_comm"]
+        assert ep == pytest.approx(expected, rel=1e-12)
+
+
+def test_activation_memory_is_korthikantis_table():
+    """Korthikanti et al. 2022, Table 2, in bytes of 16-bit values per layer: sbh(34 + 5as/h); tensor parallel
+    sbh(10 + 24/t + 5as/(ht)); with sequence parallelism sbh(34/t + 5as/(ht)); and selective recomputation sbh·34/t —
+    plus the last stage's logits and their gradient, 2·s·b·V/t values. Ulysses keeps its a/cp heads' scores over all
+    T keys, 5·a·b·T²/cp bytes where ring attention keeps 5·a·b·s² (s = T/cp)."""
+    s, b, h, a, L, V = CFG.block_size, 16, CFG.n_embd, CFG.n_head, CFG.n_layer, CFG.vocab_size
+    for tp, sp, recompute, per_layer in ((1, False, "none", 34 + 5 * a * s / h),
+                                         (2, False, "none", 10 + 24 / 2 + 5 * a * s / (h * 2)),
+                                         (2, True, "none", 34 / 2 + 5 * a * s / (h * 2)),
+                                         (2, True, "selective", 34 / 2)):
+        _, activations = planner.memory_per_rank(CFG, b, planner.Layout(tp=tp, sp=sp, recompute=recompute), itemsize=2)
+        assert activations == pytest.approx(L * s * b * h * per_layer + 2 * s * b * V / tp * 2, rel=1e-12)
+    cp = 4
+    ring, ulysses = (planner.memory_per_rank(CFG, b, planner.Layout(cp=cp, cp_kind=kind), itemsize=2)[1]
+                     for kind in ("ring", "ulysses"))
+    assert ulysses - ring == pytest.approx(L * 5 * a * b * (s * s / cp - (s / cp) ** 2), rel=1e-12)
+
+
+def test_builtin_profiles_links_inside_a_node_are_the_faster():
+    for profile in planner.BUILTIN_PROFILES.values():  # NVLink against one NIC per GPU
+        assert profile.intra.alpha < profile.inter.alpha and profile.intra.beta < profile.inter.beta
+
 
 def test_gpt3_175b_on_1024_a100s_megatrons_layout_is_near_the_best():
     """Under 2021's options (no ZeRO, cp or sp; full recomputation, as every run of Narayanan et al. 2021;
