@@ -302,6 +302,8 @@ def _bad_arguments():
     x = np.ones(2 * comm.size)
     with pytest.raises(ValueError, match="must not overlap"):
         comm.reduce_scatter(x, out=x[:2])
+    with pytest.raises(ValueError, match="color -1 is negative"):
+        comm.split(color=-1)
 
 
 def _p2p_beside_an_async_collective():

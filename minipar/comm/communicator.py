@@ -241,7 +241,9 @@ class Communicator:
         return f"Communicator({self.name}, rank {self.rank} of {self.size})"
 
     def split(self, color: int, key: int | None = None, name: str | None = None) -> Communicator:
-        """Ranks with equal ``color`` form a new communicator, ordered by ``key`` (default: current rank)."""
+        """Ranks with equal ``color`` (≥ 0) form a new communicator, ordered by ``key`` (default: current rank)."""
+        if color < 0:  # the MPI standard allows colors >= 0 (or MPI_UNDEFINED); MPICH does not check
+            raise ValueError(f"split: color {color} is negative; colors are integers >= 0")
         sub = self.mpi.Split(color, self.rank if key is None else key)
         return Communicator(sub, name or f"{self.name}/{color}")
 
