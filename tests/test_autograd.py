@@ -90,6 +90,12 @@ def test_16_bit_inputs_compute_in_float32_and_store_in_16_bits():
     np.testing.assert_array_equal(x.grad, expected.astype(np.float16))
 
 
+def test_reshape_takes_the_shape_as_arguments_or_one_sequence():
+    x = Tensor(np.arange(6.0), requires_grad=True)
+    for shape in ((2, 3), ((2, 3),), ([2, 3],), (-1,), ((6,),)):
+        np.testing.assert_array_equal(x.reshape(*shape).data, np.arange(6.0).reshape(*shape))
+
+
 def test_backward_needs_scalar_or_gradient():
     x = Tensor(np.ones(3), requires_grad=True)
     with pytest.raises(RuntimeError, match="scalar"):

@@ -33,6 +33,18 @@ def test_enumeration_follows_the_engine_rules():
     assert all(lay.cp == 1 and not lay.sp for lay in planner.enumerate_layouts(CFG, 8, 16, context=False))
 
 
+@pytest.mark.parametrize("world,batch", [(8, 12), (6, 4)])
+def test_enumeration_finds_every_degree_split_layout_accepts(world, batch):
+    """Completeness: every (dp, tp, pp, cp) with dp·tp·pp·cp = world for which some microbatch count makes a layout
+    Layout.validate accepts is among the enumerated layouts (12 sequences: dp = 8 cannot split them, dp = 4 can)."""
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    expected = {(dp, tp, pp, cp) for tp in divisors for cp in divisors for pp in divisors if world % (tp * cp * pp) == 0
+                for dp in [world // (tp * cp * pp)] if batch % dp == 0
+                and any(planner.Layout(dp, tp, pp, 0, m, cp=cp).accepts(CFG, batch) for m in range(1, batch // dp + 1))}
+    found = {(lay.dp, lay.tp, lay.pp, lay.cp) for lay in planner.enumerate_layouts(CFG, world, batch)}
+    assert found == expected and (world != 8 or (4, 1, 2, 1) in found)  # past dp = 8, which 12 sequences refuse
+
+
 def test_context_and_sequence_terms():
     profile = planner.BUILTIN_PROFILES["a100-80gb"]
     long = GPTConfig(vocab_size=256, block_size=4096, n_layer=4, n_head=8, n_embd=512)
@@ -77,6 +89,9 @@ def test_communication_terms_are_their_closed_forms():
     psi = sum(p.size for p in GPT(CFG).parameters())
     exposed = lambda layout, cfg=CFG: planner.predict(cfg, 16, layout, profile).breakdown["dp_comm_exposed"]  # noqa: E731
     assert exposed(planner.Layout(1, 1, 1)) == 0.0
+    for zero, shards in ((0, 1), (1, 4)):  # AdamW reads p, g, m, v and writes p, m, v: 7 float32 words per parameter
+        optimizer = planner.predict(CFG, 16, planner.Layout(4, 1, 1, zero), profile).breakdown["optimizer"]
+        assert optimizer == pytest.approx(7 * 4 * psi / shards / profile.bandwidth, rel=1e-12)
     assert exposed(planner.Layout(4, 1, 1)) == pytest.approx(ring(4 * psi, 4) * (1 - overlap), rel=1e-12)
     moe = dataclasses.replace(CFG, n_expert=4)
     experts = sum(p.size for name, p in GPT(moe).named_parameters() if ".mlp.c_" in name)  # E stacked GELU MLPs
