@@ -84,9 +84,10 @@ class LlamaConfig(GPTConfig):
     vocab_tables = property(lambda self: 1 if self.tie_word_embeddings else 2)
 
     def activation_units(self) -> tuple[float, float]:
-        """As GPTConfig's, for what this implementation keeps: whole, the two norms' inputs and the inputs of
-        c_attn and c_fc (8); split, q (2), k and v before and after their repeat to H heads (4 + 4K/H), the
-        attention output (2) and the SwiGLU's gate | up and product (6·I/h)."""
+        """As GPTConfig's, counted as Korthikanti et al. count GPT's — the inputs each op's backward needs, in
+        16-bit bytes per s·b·h: whole, the two norms' inputs and the inputs of c_attn and c_fc (8); split, q (2),
+        k and v before and after their repeat to H heads (4 + 4K/H), the attention output (2) and the SwiGLU's
+        gate | up and product (6·I/h). minipar's unfused ops keep more (docs/testing.md, mutation testing)."""
         return 8.0, 8.0 + 4.0 * self.kv_heads / self.n_head + 6.0 * self.mlp_width / self.n_embd
 
     def num_parameters(self, layers: int | None = None, final_norm: bool = True) -> int:

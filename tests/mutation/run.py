@@ -47,6 +47,18 @@ TARGETS = {
     "expert_parallel": (["minipar/parallel/expert_parallel.py", "minipar/models/moe.py"],
                         "tests/test_moe.py tests/test_expert_parallel.py"),
     "gpt": (["minipar/models/gpt.py"], "tests/test_recompute.py tests/test_gpt.py"),  # recomputation, config, generate
+    "llama": (["minipar/models/llama.py"], "tests/test_llama.py tests/test_planner.py::"
+              "test_the_planners_parameters_per_rank_are_the_engines"),
+    "autograd": (["minipar/autograd.py", "minipar/nn.py"],  # + split backward through recomputation, autocast
+                 "tests/test_autograd.py tests/test_ops.py tests/test_gpt.py tests/test_recompute.py "
+                 "-k 'not training_matches and not refused'"),
+    "layout": (["minipar/parallel/layout.py", "minipar/parallel/mesh.py", "minipar/parallel/validation.py"],
+               "tests/test_validation.py tests/test_composition.py tests/test_planner.py "
+               "tests/test_expert_parallel.py::test_hybrid_sharding_groups_for_experts "
+               "tests/test_readme.py::test_the_composition_table_is_layouts "
+               "'tests/test_context_parallel.py::test_matches_single_process[layout0-ring-zigzag]'"),
+    "placement": (["minipar/placement.py"], "tests/test_placement.py tests/test_composition.py"),
+    "planner": (["minipar/parallel/planner.py"], "tests/test_planner.py"),
 }
 KEPT = re.compile(r"ReplaceBinaryOperator_\w+_(Add|Sub|Mul|Div)$|ReplaceComparisonOperator|AddNot|NumberReplacer|"
                   r"Replace(True|False|And|Or|Break|Continue)|ZeroIterationForLoop|ExceptionReplacer|"
