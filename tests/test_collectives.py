@@ -662,6 +662,29 @@ def test_cost_model_choices():
     assert model.time("all_reduce", "hierarchical", 1 << 20, 8, nodes=1) == float("inf")
     far = CostModel(alpha=5e-6, beta=1e-10, gamma=2e-10, alpha_inter=30e-6, beta_inter=1e-9)
     assert far.best("all_reduce", 64 << 20, 16, nodes=2) == "hierarchical"
+    # a pipelined broadcast pays α per segment: a link with more latency (inter-node here) takes longer segments
+    latent = CostModel(alpha=1e-6, beta=1e-10, gamma=2e-10, alpha_inter=1e-4, beta_inter=1e-10)
+    assert latent.segment_bytes(16 << 20, 4, nodes=1) < latent.segment_bytes(16 << 20, 4, nodes=2)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_the_cost_models_byte_terms_are_what_each_algorithm_sends(p):
+    """With α = γ = 0 and β = 1 s/byte the model's time is the bytes the busiest rank sends: each algorithm's byte
+    formula (checked above against the bytes real runs count), for p a power of two and n divisible by p."""
+    from minipar.comm.collectives import all_to_all_bytes_sent
+    from minipar.comm.tuning import CostModel
+
+    bytes_only = CostModel(alpha=0.0, beta=1.0, gamma=0.0, alpha_inter=0.0, beta_inter=1.0)
+    n, bounds = 96 * p, chunk_bounds(96 * p, p)  # n bytes of 1-byte elements
+    formulas = {"all_reduce": lambda a, r: all_reduce_bytes_sent(n, 1, p, r, a),
+                "reduce_scatter": lambda a, r: reduce_scatter_bytes_sent(bounds, 1, r, a),
+                "all_gather": lambda a, r: all_gather_bytes_sent(bounds, 1, r, a),
+                "all_to_all": lambda a, r: all_to_all_bytes_sent([n // p] * p, 1, r, a)}
+    for collective, sent in formulas.items():
+        for algorithm in ALGORITHMS[collective]:
+            if algorithm != "hierarchical":  # several nodes: its phases are the ring's
+                busiest = max(sent(algorithm, r) for r in range(p))
+                assert bytes_only.time(collective, algorithm, n, p) == busiest, (collective, algorithm)
 
 
 def _in_place_all_gather():
