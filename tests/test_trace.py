@@ -3,6 +3,7 @@ plot draws the loss curves of several runs."""
 import json
 import subprocess
 import sys
+import types
 
 from minipar.__main__ import main
 from minipar.testing import run_command
@@ -76,3 +77,21 @@ def test_trace_plot_draws_weight_passes_of_zero_bubble(tmp_path):
     assert out.returncode == 0 and "W weights" in out.stdout, out.stderr
     assert all("W" in line for line in out.stdout.splitlines() if line.startswith("rank"))
     assert main(["trace-plot", str(path), "-o", str(svg)]) == 0 and "weights" in svg.read_text()
+
+
+def test_a_span_records_microseconds_since_start(monkeypatch):
+    """On a clock that reads 10.0 at start, 10.5 and 10.75 around a span: ts 500000 µs, dur 250000 µs, on the rank's
+    row (pid) and thread 0. Before start nothing is recorded (a run without --trace keeps no events)."""
+    from minipar import trace
+
+    readings = iter([10.0, 10.5, 10.75])
+    monkeypatch.setattr(trace, "time", types.SimpleNamespace(perf_counter=lambda: next(readings)))
+    tracer = trace.Tracer()
+    with tracer.span("F0", "forward"):
+        pass
+    assert tracer.events == []
+    tracer.start(types.SimpleNamespace(rank=3, barrier=lambda: None))
+    with tracer.span("F0", "forward"):
+        pass
+    assert tracer.events == [{"name": "F0", "cat": "forward", "ph": "X", "pid": 3, "tid": 0, "ts": 500000.0,
+                              "dur": 250000.0}]
