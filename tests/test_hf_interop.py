@@ -77,6 +77,17 @@ def test_special_tokens_are_split_out_first(tmp_path):
     assert listed.decode(listed.encode(text)) == text
 
 
+def test_the_byte_alphabet_is_gpt2s():
+    """GPT-2's reversible byte map: printable bytes stand for themselves, the other 68 for the next free characters —
+    the 256 characters `tokenizers` calls the byte-level alphabet."""
+    from minipar.data import _byte_to_unicode
+
+    ByteLevel = pytest.importorskip("tokenizers", reason="the reference needs `pip install minipar[test]`").pre_tokenizers.ByteLevel
+    chars = _byte_to_unicode()
+    assert sorted(chars.values()) == sorted(ByteLevel.alphabet()) and chars[ord("A")] == "A" and chars[255] == "ÿ"
+    assert chars[ord(" ")] == "Ġ"
+
+
 def test_bpe_keeps_every_underscore(trained_bpe):
     ours = BPETokenizer.from_dir(trained_bpe[0])
     code = default_corpus()[:125_000].decode("utf-8", errors="replace")
@@ -284,6 +295,22 @@ def test_safetensors_refuses_inconsistent_files(tmp_path):
         read_safetensors(str(path))
     path.write_bytes(b"".join(encode_safetensors({"x": np.arange(3.0)})))  # and a good one still reads
     np.testing.assert_array_equal(read_safetensors(str(path))[0]["x"], np.arange(3.0))
+
+
+def test_a_broken_index_is_refused_and_stored_dtypes_reads_every_header(tmp_path):
+    from minipar.safetensors_io import stored_dtypes
+
+    (tmp_path / INDEX_NAME).write_text(json.dumps({"metadata": {"total_size": 0}}))
+    with pytest.raises(ValueError, match=f"{INDEX_NAME}: not a safetensors index"):
+        read_hf_weights(str(tmp_path))
+    assert stored_dtypes(str(tmp_path)) == set()  # unreadable: no answer rather than an error
+    os.remove(tmp_path / INDEX_NAME)
+    # every tensor's code, whatever its name sorts like ("Wte" before "__metadata__", "wpe" after)
+    path = tmp_path / WEIGHTS_NAME
+    path.write_bytes(b"".join(encode_safetensors({"Wte": np.ones(2, np.float32), "wpe": np.ones(2)}, {"k": "v"})))
+    assert stored_dtypes(str(tmp_path)) == {"F32", "F64"}
+    _write(path, {"w": {"shape": [1], "data_offsets": [0, 4]}}, bytes(4))  # an entry without its dtype
+    assert stored_dtypes(str(tmp_path)) == set()
 
 
 def test_generate_keeps_a_float64_checkpoint_float64(tmp_path, capsys):
