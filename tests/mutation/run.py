@@ -59,6 +59,11 @@ TARGETS = {
                "'tests/test_context_parallel.py::test_matches_single_process[layout0-ring-zigzag]'"),
     "placement": (["minipar/placement.py"], "tests/test_placement.py tests/test_composition.py"),
     "planner": (["minipar/parallel/planner.py"], "tests/test_planner.py"),
+    "tuning": (["minipar/comm/tuning.py"], "tests/test_collectives.py -k 'cost_model or two_hosts or hierarchical'"),
+    "safetensors": (["minipar/safetensors_io.py"],
+                    "tests/test_hf_interop.py tests/test_gpt.py tests/test_llama.py -k 'not every_axis and not reshards'"),
+    "data": (["minipar/data.py"], "tests/test_data_optim.py tests/test_hf_interop.py tests/test_gpt.py"),
+    "trace": (["minipar/trace.py"], "tests/test_trace.py"),
 }
 KEPT = re.compile(r"ReplaceBinaryOperator_\w+_(Add|Sub|Mul|Div)$|ReplaceComparisonOperator|AddNot|NumberReplacer|"
                   r"Replace(True|False|And|Or|Break|Continue)|ZeroIterationForLoop|ExceptionReplacer|"
