@@ -78,7 +78,8 @@ def test_communication_terms_are_their_closed_forms():
     """Each axis's communication time, written out here from its algorithm: data parallelism a ring all-reduce
     of the gradients (experts' over their dp/ep replicas), exposed but for the profile's overlap; pipeline one
     activation forward and one gradient back per microbatch and chunk; ring attention K|V forward, hidden behind
-    a block's attention when faster, and K|V|dK|dV backward; nothing for an axis of one rank. Parameter counts
+    a block's attention when faster, and K|V|dK|dV backward; the experts' all-to-alls over the link their group
+    spans; nothing for an axis of one rank; and the optimizer's pass over its (sharded) state. Parameter counts
     come from the model's arrays, not from the config's formula."""
     from minipar.models.gpt import GPT
 
