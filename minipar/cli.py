@@ -566,12 +566,13 @@ def load_data(args: argparse.Namespace, cfg: GPTConfig, resumed: Checkpoint | No
     tokens = load_tokens(args.data, tokenizer_for(tokenizer_source(args, resumed), cfg.vocab_size))
     source = args.data or "the default corpus"
     train_tokens, val_tokens = split_tokens(tokens)
-    if len(train_tokens) < block + 2:
+    need = Batches.tokens_needed(block)
+    if len(train_tokens) < need:
         raise ValueError(f"{source} has {len(tokens)} tokens: its training split (the first 90%, {len(train_tokens)} "
-                         f"tokens) needs at least block_size + 2 = {block + 2}; use more data or a smaller --block-size")
+                         f"tokens) needs at least block_size + 1 = {need}; use more data or a smaller --block-size")
     batches = Batches(train_tokens, args.batch_size, block, seed=args.seed)
-    if len(val_tokens) < block + 2:
+    if len(val_tokens) < need:
         note = (f"note: the validation split of {source} (the last 10%, {len(val_tokens)} tokens) is shorter than "
-                f"block_size + 2 = {block + 2}: no validation loss") if args.eval_interval else None
+                f"block_size + 1 = {need}: no validation loss") if args.eval_interval else None
         return tokens, batches, None, note
     return tokens, batches, Batches(val_tokens, args.batch_size, block, seed=args.seed + 1), None

@@ -229,18 +229,26 @@ def load_tokens(path: str | None = None, tokenizer: ByteTokenizer | BPETokenizer
 class Batches:
     """Random windows of a token array: ``batches(step)`` -> (x, y), each int64 (batch_size, block_size).
 
-    y is x shifted by one token. Offsets come from ``default_rng((seed, step))``, so a step's batch
-    never depends on what ran before it (resuming and re-sharding give the same data).
+    A window is T + 1 consecutive tokens (T = block_size): x its first T, y its last T (x shifted by one);
+    N tokens hold N − T windows, each equally likely, the last one included. Offsets come from
+    ``default_rng((seed, step))``, so a step's batch never depends on what ran before it (resuming and
+    re-sharding give the same data).
     """
 
     def __init__(self, tokens: np.ndarray, batch_size: int, block_size: int, seed: int = 0):
-        if len(tokens) < block_size + 2:
-            raise ValueError(f"data has {len(tokens)} tokens; block_size {block_size} needs at least {block_size + 2}")
+        if len(tokens) < self.tokens_needed(block_size):
+            raise ValueError(f"data has {len(tokens)} tokens; block_size {block_size} needs at least "
+                             f"{self.tokens_needed(block_size)}")
         self.tokens, self.batch_size, self.block_size, self.seed = tokens, batch_size, block_size, seed
+
+    @staticmethod
+    def tokens_needed(block_size: int) -> int:
+        """One window: T inputs and the token after the last, the last target."""
+        return block_size + 1
 
     def __call__(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         rng = np.random.default_rng((self.seed, step))
-        starts = rng.integers(0, len(self.tokens) - self.block_size - 1, size=self.batch_size)
+        starts = rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size)
         window = starts[:, None] + np.arange(self.block_size + 1)
         chunk = self.tokens[window].astype(np.int64)
         return chunk[:, :-1], chunk[:, 1:]

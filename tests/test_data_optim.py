@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from minipar import backend
-from minipar.data import BPETokenizer, Batches, ByteTokenizer, default_corpus, load_tokens, shard_rows
+from minipar.data import BPETokenizer, Batches, ByteTokenizer, default_corpus, load_tokens, shard_rows, split_tokens
 from minipar.nn import Parameter
 from minipar.optim import SGD, AdamW, LossScaler, adamw_update, clip_grad_norm, cosine_lr
 
@@ -45,6 +45,21 @@ def test_batches_are_a_function_of_seed_and_step():
     np.testing.assert_array_equal(b(5)[0], x5)  # no hidden state: step 5 is step 5
     np.testing.assert_array_equal(x5[:, 1:], y5[:, :-1])
     assert not np.array_equal(a(7)[0], x5)
+
+
+def test_batches_draw_every_window_the_last_included():
+    """T + 2 tokens hold two windows of T + 1: both are drawn, and T + 1 tokens (one window) are enough."""
+    for n, starts in ((18, {0, 1}), (17, {0})):
+        batches = Batches(np.arange(n), 4, 16)
+        assert {int(row[0]) for step in range(20) for row in batches(step)[0]} == starts
+    with pytest.raises(ValueError, match="block_size 16 needs at least 17"):
+        Batches(np.arange(16), 4, 16)
+
+
+def test_split_holds_out_the_last_tenth():
+    train, val = split_tokens(np.arange(100))
+    np.testing.assert_array_equal(train, np.arange(90))
+    np.testing.assert_array_equal(val, np.arange(90, 100))
 
 
 def test_shard_rows_partitions_the_global_batch():
