@@ -31,7 +31,7 @@ _ITEMSIZE = {**{k: np.dtype(v).itemsize for k, v in _TO_NUMPY.items()}, "BF16": 
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' save_pretrained default ("5GB")
+DEFAULT_MAX_SHARD_BYTES = 50 * 10**9  # transformers' save_pretrained default, max_shard_size="50GB" (test_transformers)
 
 
 def atomic_write(path: str, chunks: list[bytes | memoryview]) -> None:

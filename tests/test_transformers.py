@@ -236,3 +236,14 @@ def test_a_llama_checkpoint_train_out_wrote(tmp_path, monkeypatch):
     idx = np.random.default_rng(7).integers(0, 256, (2, 16))
     np.testing.assert_allclose(from_hf(out)(idx)[0].data, theirs(torch.tensor(idx)).logits.detach().numpy(), rtol=0,
                                atol=1e-10)
+
+
+def test_weights_shard_where_save_pretrained_does():
+    """save_hf's default shard size is save_pretrained's, read from its signature ("50GB": decimal, as transformers
+    reads it)."""
+    import inspect
+
+    from minipar.safetensors_io import DEFAULT_MAX_SHARD_BYTES
+
+    default = inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
+    assert default.endswith("GB") and int(default[:-2]) * 10**9 == DEFAULT_MAX_SHARD_BYTES
