@@ -667,6 +667,16 @@ def test_cost_model_choices():
     assert latent.segment_bytes(16 << 20, 4, nodes=1) < latent.segment_bytes(16 << 20, 4, nodes=2)
 
 
+def _measured_model():
+    model = Communicator().cost_model()
+    assert model.alpha > 0 and model.gamma > 0  # measured: a message and an add take time
+    assert (model.alpha_inter, model.beta_inter) == (model.alpha, model.beta)  # one node: its link is the only one
+
+
+def test_the_cost_model_is_measured_on_a_fresh_machine(tmp_path):
+    run_ranks(2, _measured_model, env={"HOME": str(tmp_path)}, timeout=120)  # no cached model under this HOME
+
+
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_the_cost_models_byte_terms_are_what_each_algorithm_sends(p):
     """With α = γ = 0 and β = 1 s/byte the model's time is the bytes the busiest rank sends: each algorithm's byte

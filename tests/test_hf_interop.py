@@ -313,6 +313,33 @@ def test_a_broken_index_is_refused_and_stored_dtypes_reads_every_header(tmp_path
     assert stored_dtypes(str(tmp_path)) == set()
 
 
+def test_shards_fill_up_to_the_limit_in_order(tmp_path):
+    """Three 8-byte tensors under a 16-byte limit: the first two fill a shard exactly, the third starts the next; a
+    tensor over the limit goes alone."""
+    from minipar.safetensors_io import write_hf_weights
+
+    tensors = {name: np.full(2, i, np.float32) for i, name in enumerate("abc")}
+    names = write_hf_weights(str(tmp_path), tensors, max_shard_bytes=16)
+    assert names == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", INDEX_NAME]
+    assert json.load(open(tmp_path / INDEX_NAME))["weight_map"] == {"a": names[0], "b": names[0], "c": names[1]}
+    assert len(write_hf_weights(str(tmp_path), {**tensors, "big": np.zeros(5, np.float32)}, max_shard_bytes=16)) == 4
+
+
+def test_a_failed_atomic_write_leaves_nothing_and_raises_its_own_error(tmp_path):
+    from minipar.safetensors_io import atomic_write
+
+    def interrupted():
+        yield b"half"
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        atomic_write(str(tmp_path / "x.json"), interrupted())
+    with pytest.raises(FileNotFoundError) as err:
+        atomic_write(str(tmp_path / "no-such-dir" / "x.json"), [b"{}"])
+    assert err.value.__context__ is None  # open's own error, not one raised cleaning up a file never made
+    assert os.listdir(tmp_path) == []  # neither file nor temporary
+
+
 def test_generate_keeps_a_float64_checkpoint_float64(tmp_path, capsys):
     from minipar.__main__ import main
 
