@@ -79,9 +79,10 @@ def test_trace_plot_draws_weight_passes_of_zero_bubble(tmp_path):
     assert main(["trace-plot", str(path), "-o", str(svg)]) == 0 and "weights" in svg.read_text()
 
 
-def test_a_span_records_microseconds_since_start(monkeypatch):
+def test_a_span_records_microseconds_since_start(monkeypatch, tmp_path):
     """On a clock that reads 10.0 at start, 10.5 and 10.75 around a span: ts 500000 µs, dur 250000 µs, on the rank's
-    row (pid) and thread 0. Before start nothing is recorded (a run without --trace keeps no events)."""
+    row (pid) and thread 0. Before start nothing is recorded (a run without --trace keeps no events). Rank 0 alone
+    writes the file: every rank's events after a row name per rank."""
     from minipar import trace
 
     readings = iter([10.0, 10.5, 10.75])
@@ -93,5 +94,11 @@ def test_a_span_records_microseconds_since_start(monkeypatch):
     tracer.start(types.SimpleNamespace(rank=3, barrier=lambda: None))
     with tracer.span("F0", "forward"):
         pass
-    assert tracer.events == [{"name": "F0", "cat": "forward", "ph": "X", "pid": 3, "tid": 0, "ts": 500000.0,
-                              "dur": 250000.0}]
+    event = {"name": "F0", "cat": "forward", "ph": "X", "pid": 3, "tid": 0, "ts": 500000.0, "dur": 250000.0}
+    assert tracer.events == [event]
+    path = tmp_path / "t.json"
+    for rank in (1, 0):
+        tracer.write(str(path), types.SimpleNamespace(rank=rank, size=2, all_gather_bytes=lambda blob, label: [b"[]", blob]))
+        assert path.exists() == (rank == 0)
+    names = [{"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}} for r in (0, 1)]
+    assert json.load(open(path)) == {"traceEvents": [*names, event], "displayTimeUnit": "ms"}
