@@ -82,10 +82,10 @@ def test_the_byte_alphabet_is_gpt2s():
     the 256 characters `tokenizers` calls the byte-level alphabet."""
     from minipar.data import _byte_to_unicode
 
-    ByteLevel = pytest.importorskip("tokenizers", reason="the reference needs `pip install minipar[test]`").pre_tokenizers.ByteLevel
+    tokenizers = pytest.importorskip("tokenizers", reason="the reference needs `pip install minipar[test]`")
     chars = _byte_to_unicode()
-    assert sorted(chars.values()) == sorted(ByteLevel.alphabet()) and chars[ord("A")] == "A" and chars[255] == "ÿ"
-    assert chars[ord(" ")] == "Ġ"
+    assert sorted(chars.values()) == sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    assert chars[ord("A")] == "A" and chars[255] == "ÿ" and chars[ord(" ")] == "Ġ"
 
 
 def test_bpe_keeps_every_underscore(trained_bpe):
