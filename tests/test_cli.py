@@ -122,6 +122,18 @@ def test_the_memory_check_honours_an_address_space_limit():
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
+def test_memory_available_under_an_address_space_limit_is_what_is_left_of_it():
+    """RLIMIT_AS set to what the process maps (/proc/self/statm's size, in pages) + 256 MiB: 256 MiB are left,
+    within the pages mapped between the two readings."""
+    code = ("import os, resource; from minipar.backend import memory_available; "
+            "mapped = int(open('/proc/self/statm').read().split()[0]) * os.sysconf('SC_PAGE_SIZE'); "
+            "resource.setrlimit(resource.RLIMIT_AS, (mapped + (256 << 20), resource.getrlimit(resource.RLIMIT_AS)[1])); "
+            "print(mapped, memory_available())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    mapped, available = map(float, out.stdout.split())
+    assert mapped > 64 << 20 and abs(available - (256 << 20)) < 16 << 20, out.stderr
+
+
 @pytest.mark.parametrize("as_json", [False, True])
 def test_a_closed_stdout_ends_the_run_quietly(as_json):
     """``minipar train | head -1``: when the reader goes away the run stops at that step's end, exit 141 (128 +

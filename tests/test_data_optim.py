@@ -56,6 +56,26 @@ def test_batches_draw_every_window_the_last_included():
         Batches(np.arange(16), 4, 16)
 
 
+def test_cache_blocks_tile_the_arrays_in_order():
+    """Blocks of CACHE_BLOCK elements, matching views of every array, covering each once in order; an array of one
+    block or less, or a non-contiguous one, comes back whole."""
+    n = 5 * backend.CACHE_BLOCK // 2
+    a, b = np.arange(n, dtype=np.float64), np.zeros(n)
+    blocks = list(backend.cache_blocks(a, b))
+    assert [len(x) for x, _ in blocks] == [backend.CACHE_BLOCK] * 2 + [n - 2 * backend.CACHE_BLOCK]
+    for x, y in blocks:
+        y += x  # views: writing a block writes the array
+    np.testing.assert_array_equal(b, a)
+    small, strided = np.ones(backend.CACHE_BLOCK), np.ones(3 * backend.CACHE_BLOCK)[::2]
+    assert [len(blocks) for blocks in (list(backend.cache_blocks(small)), list(backend.cache_blocks(strided)))] == [1, 1]
+
+
+def test_an_unknown_device_is_refused():
+    with pytest.raises(ValueError, match="unknown device 'tpu': expected 'cpu' or 'gpu'"):
+        backend.set_device("tpu")
+    assert backend.device() == "cpu"
+
+
 def test_split_holds_out_the_last_tenth():
     train, val = split_tokens(np.arange(100))
     np.testing.assert_array_equal(train, np.arange(90))

@@ -130,3 +130,15 @@ def test_attention_op_dispatch(triton_kernels):
     assert not backend.use_triton("float32")  # auto: Triton only on the GPU
     with pytest.raises(ValueError, match="unknown kernel mode"):
         backend.set_kernels("fast")
+
+
+def test_every_gpu_tile_config_is_one_triton_compiles():
+    """The GPU autotuner's configs (not run here: no GPU) obey Triton's rules: power-of-two tiles (tl.arange and
+    tl.dot need them, K-tiles of at least 16) and warps, and at least one pipeline stage."""
+    from minipar.kernels.matmul import GPU_CONFIGS
+
+    power_of_two = lambda x: x > 0 and x & (x - 1) == 0  # noqa: E731
+    for config in GPU_CONFIGS:
+        tiles = [config.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")]
+        assert all(map(power_of_two, tiles)) and config.kwargs["BLOCK_K"] >= 16, config
+        assert power_of_two(config.num_warps) and config.num_stages >= 1, config

@@ -64,6 +64,9 @@ TARGETS = {
                     "tests/test_hf_interop.py tests/test_gpt.py tests/test_llama.py -k 'not every_axis and not reshards'"),
     "data": (["minipar/data.py"], "tests/test_data_optim.py tests/test_hf_interop.py tests/test_gpt.py"),
     "trace": (["minipar/trace.py"], "tests/test_trace.py"),
+    "kernels": (["minipar/kernels/flash_attention.py", "minipar/kernels/matmul.py", "minipar/kernels/adapter.py"],
+                "tests/test_kernels.py"),  # ./kernels, where the copy installs it (copy_tree)
+    "backend": (["minipar/backend.py"], "tests/test_data_optim.py tests/test_ops.py tests/test_kernels.py"),
 }
 KEPT = re.compile(r"ReplaceBinaryOperator_\w+_(Add|Sub|Mul|Div)$|ReplaceComparisonOperator|AddNot|NumberReplacer|"
                   r"Replace(True|False|And|Or|Break|Continue)|ZeroIterationForLoop|ExceptionReplacer|"
@@ -85,8 +88,11 @@ def copy_tree(workdir: str) -> None:
                            text=True, check=True).stdout.split()
     for name in files:
         if os.path.isfile(os.path.join(ROOT, name)):
-            os.makedirs(os.path.join(workdir, os.path.dirname(name)), exist_ok=True)
-            shutil.copy2(os.path.join(ROOT, name), os.path.join(workdir, name))
+            # ./kernels is the package minipar.kernels (setup.py's package_dir): in the copy it sits under minipar/,
+            # where the copy's minipar imports it, instead of the editable install's ./kernels of the working tree
+            target = os.path.join("minipar", name) if name.startswith("kernels/") else name
+            os.makedirs(os.path.join(workdir, os.path.dirname(target)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, name), os.path.join(workdir, target))
 
 
 def run_target(name: str, workdir: str, sample: int, seed: int, timeout: float) -> dict:
