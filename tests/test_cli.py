@@ -130,6 +130,7 @@ def test_memory_available_under_an_address_space_limit_is_what_is_left_of_it():
             "resource.setrlimit(resource.RLIMIT_AS, (mapped + (256 << 20), resource.getrlimit(resource.RLIMIT_AS)[1])); "
             "print(mapped, memory_available())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
     mapped, available = map(float, out.stdout.split())
     assert mapped > 64 << 20 and abs(available - (256 << 20)) < 16 << 20, out.stderr
 
