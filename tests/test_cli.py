@@ -20,6 +20,7 @@ def test_train_json_lines_and_checkpoint(tmp_path, capsys):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["step"] for r in lines] == [1, 2, 3]
     assert all({"loss", "lr", "tokens_per_s", "ms", "grad_norm"} <= set(r) for r in lines)
+    assert all(r["comm_bytes"] == 0 for r in lines)  # one process sends nothing
     assert os.path.exists(tmp_path / "model.safetensors") and os.path.exists(tmp_path / "config.json")
 
     assert main(["generate", "--ckpt", str(tmp_path), "--prompt", "def ", "--max-new-tokens", "20"]) == 0
@@ -120,6 +121,46 @@ def test_the_memory_check_honours_an_address_space_limit():
                           "--steps", "1"], capture_output=True, text=True, timeout=120, preexec_fn=limit)
     assert out.returncode == 2 and "GB is available on the cpu" in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_every_mode_flag_is_refused_without_its_mode():
+    """Each flag of cli.FLAG_NEEDS, written alone, is refused naming the mode it needs, and accepted with it."""
+    from minipar.__main__ import build_parser, explicit_flags
+    from minipar.cli import FLAG_NEEDS, validate
+
+    given = {"loss_scale": ["1024"], "expert_top_k": ["1"], "capacity_factor": ["2"], "aux_loss_coef": ["0.1"],
+             "topk_ratio": ["0.1"], "powersgd_rank": ["2"], "outer_lr": ["1"], "outer_momentum": ["0.5"],
+             "staleness": ["1"], "cp_kind": ["ulysses"], "cp_split": ["contiguous"], "no_prefetch": [],
+             "save_interval": ["5"], "n_kv_head": ["2"], "n_inner": ["64"], "rope_theta": ["500"], "tie_embeddings": []}
+    mode = {"loss_scale": ["--precision", "fp16-mixed"], "topk_ratio": ["--compression", "topk"],
+            "powersgd_rank": ["--compression", "powersgd"], "cp_kind": ["--cp", "2"], "cp_split": ["--cp", "2"],
+            "no_prefetch": ["--zero", "3"], "save_interval": ["--save", "ckpt"],
+            **dict.fromkeys(("expert_top_k", "capacity_factor", "aux_loss_coef"), ["--n-expert", "4"]),
+            **dict.fromkeys(("outer_lr", "outer_momentum", "staleness"), ["--local-sgd", "4"]),
+            **dict.fromkeys(("n_kv_head", "n_inner", "rope_theta", "tie_embeddings"), ["--arch", "llama"])}
+    assert set(given) == set(FLAG_NEEDS) == set(mode)
+
+    def has_effect(argv):
+        args = build_parser().parse_args(["train", *argv])
+        args.explicit = explicit_flags(argv)
+        return FLAG_NEEDS[name][1](args) if name in args.explicit else None
+
+    for name, value in given.items():
+        flag = ["--" + name.replace("_", "-"), *value]
+        assert has_effect(flag) is False and has_effect([*flag, *mode[name]]) is True, name
+        args = build_parser().parse_args(["train", *flag])
+        args.explicit = explicit_flags(flag)
+        with pytest.raises(ValueError, match=f"{flag[0]} has no effect here: it needs"):
+            validate(args, 1, None)
+
+
+def test_the_floor_of_the_cosine_schedule_defaults_to_a_tenth_of_the_peak():
+    from minipar.__main__ import build_parser
+    from minipar.cli import validate
+
+    args = build_parser().parse_args(["train", "--lr", "3e-3"])
+    validate(args, 1, None)
+    assert args.min_lr == 3e-3 / 10
 
 
 def test_memory_available_under_an_address_space_limit_is_what_is_left_of_it():

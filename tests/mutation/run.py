@@ -67,6 +67,7 @@ TARGETS = {
     "kernels": (["minipar/kernels/flash_attention.py", "minipar/kernels/matmul.py", "minipar/kernels/adapter.py"],
                 "tests/test_kernels.py"),  # ./kernels, where the copy installs it (copy_tree)
     "backend": (["minipar/backend.py"], "tests/test_data_optim.py tests/test_ops.py tests/test_kernels.py"),
+    "cli": (["minipar/cli.py"], "tests/test_cli.py"),
 }
 KEPT = re.compile(r"ReplaceBinaryOperator_\w+_(Add|Sub|Mul|Div)$|ReplaceComparisonOperator|AddNot|NumberReplacer|"
                   r"Replace(True|False|And|Or|Break|Continue)|ZeroIterationForLoop|ExceptionReplacer|"
