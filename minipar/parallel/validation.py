@@ -156,10 +156,14 @@ def predict_run(run: PublishedRun, profile: planner.Profile) -> planner.Predicti
     return min(predictions, key=lambda p: (not p.feasible, p.step_time))
 
 
+def relative_error(prediction: planner.Prediction, run: PublishedRun) -> float:
+    """(predicted − published) / published step time."""
+    return prediction.step_time / run.published_seconds() - 1
+
+
 def errors(profile: planner.Profile, efficiency: dict[str, float], runs: list[PublishedRun]) -> np.ndarray:
-    """(predicted − published) / published step time, per run."""
-    return np.array([predict_run(r, run_profile(r, profile, efficiency)).step_time / r.published_seconds() - 1
-                     for r in runs])
+    """:func:`relative_error` of each run's prediction."""
+    return np.array([relative_error(predict_run(r, run_profile(r, profile, efficiency)), r) for r in runs])
 
 
 def fit(profile: planner.Profile, runs: list[PublishedRun]) -> dict[str, float]:
@@ -185,11 +189,12 @@ def report(profile: planner.Profile, runs: list[PublishedRun] = PUBLISHED_RUNS, 
     """The validation table: each run, the layout predicted, published and predicted step time, the error."""
     efficiency = fit(profile, runs)
     lines = [f"{'run':<15}{'layout':<56}{'published s':>12}{'predicted s':>12}{'error':>8}  source"]
-    errs = errors(profile, efficiency, runs)
-    for run, err in zip(runs, errs):
+    errs = []
+    for run in runs:
         pred = predict_run(run, run_profile(run, profile, efficiency))
+        errs.append(relative_error(pred, run))
         lines.append(f"{run.name:<15}{str(pred.layout):<56}{run.published_seconds():>12.2f}{pred.step_time:>12.2f}"
-                     f"{err:>+8.1%}  {run.source}")
+                     f"{errs[-1]:>+8.1%}  {run.source}")
     errs = np.abs(errs)
     lines.append("GEMM efficiency fitted per code base: "
                  + ", ".join(f"{base} {eff:.3f}" for base, eff in efficiency.items()))
