@@ -1,6 +1,7 @@
 """The training loop behind ``python -m minipar train``.
 
-One step:  for each of m microbatches: forward, loss/m, backward (gradients accumulate)
+One step:  for each of m microbatches: forward, loss·(its tokens / the global batch's), backward (gradients
+           accumulate; the data-parallel reduction sums them)
            → clip the global gradient norm → AdamW with the cosine learning rate.
 Rank 0 prints one progress line per step (or one JSON object with ``--json``).
 
@@ -145,7 +146,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             x, y = (layout.local_rows(a, mesh) for a in batches(step))
             loss_scale = scaler.scale if scaler else 1.0
             engine.loss_scale = loss_scale  # the factor the gradients carry (a compressor's error feedback)
-            losses = pipeline.run(engine, x, y, loss_scale=loss_scale)
+            losses = pipeline.run(engine, x, y, loss_scale=loss_scale, tokens=layout.loss_tokens(args.batch_size * block))
             with trace.span("sync gradients", "comm"):
                 engine.sync_gradients()
             with trace.span("optimizer", "optimizer"):

@@ -1,4 +1,4 @@
-"""Gradient compressors against MPI's exact average, with their byte counts and error-feedback
+"""Gradient compressors against MPI's exact sum, with their byte counts and error-feedback
 invariants; local SGD / DiLoCo against synchronous data parallelism; both through the CLI."""
 import json
 import sys
@@ -17,10 +17,10 @@ def _bucket(shapes, dtype=np.float64):
     return Bucket([Parameter(np.zeros(s, dtype)) for s in shapes])
 
 
-def _exact_mean(comm, x):
+def _exact_sum(comm, x):
     out = np.empty_like(x)
     comm.mpi.Allreduce(x, out)
-    return out / comm.size
+    return out
 
 
 def _compressors_against_mpi():
@@ -32,13 +32,13 @@ def _compressors_against_mpi():
     n = 999
     bucket = _bucket([(n,)], np.float32)
     g = rng.standard_normal(n).astype(np.float32)
-    mean = _exact_mean(comm, g)
+    total = _exact_sum(comm, g)
     # each rank's message is rounded to the wire (u = 2^-11, 2^-8) before float32 adds: an error of a few u·max|g|
     for wire, tol in (("float16", 2e-3), ("bfloat16", 2e-2)):
         out = g.copy()
         comm.reset_stats()
         Cast(wire).reduce(comm, bucket, out)
-        np.testing.assert_allclose(out, mean, atol=tol * np.abs(g).max() * 2)
+        np.testing.assert_allclose(out, total, atol=tol * np.abs(g).max() * 2 * p)
         assert comm.bytes_sent("grads") * 2 == _fp32_ring_bytes(n, p, comm.rank)  # half the float32 ring
         same = np.empty((p, n), np.float32)
         comm.mpi.Allgather(out, same)
@@ -48,7 +48,7 @@ def _compressors_against_mpi():
     comm.reset_stats()
     Int8().reduce(comm, bucket, out)
     worst_scale = comm.mpi.allreduce(float(np.abs(g).max() / 127), op=MPI.MAX)
-    assert np.abs(out - mean).max() <= worst_scale / 2 + 1e-6      # rounding error ≤ half a step
+    assert np.abs(out - total).max() <= p * worst_scale / 2 + 1e-6  # rounding error ≤ half a step per rank
     assert comm.bytes_sent("grads") == (p - 1) * (n + 4)            # int8 + one float32 scale
 
     topk, sent_total, g_total = TopK(0.05), np.zeros(n), np.zeros(n)
@@ -61,9 +61,9 @@ def _compressors_against_mpi():
         g_total += g
         k = int(0.05 * n)
         assert comm.bytes_sent("grads") == (p - 1) * 8 * k          # k int32 indices + k float32 values
-    # error feedback loses nothing: Σ_t average sent = mean over ranks of (Σ_t g − what is still held back)
+    # error feedback loses nothing: Σ_t sum sent = sum over ranks of (Σ_t g − what is still held back)
     # float32 payloads and residuals summed over 4 steps and p ranks against the float64 sums
-    np.testing.assert_allclose(sent_total, _exact_mean(comm, g_total - topk.residual[id(bucket)]), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(sent_total, _exact_sum(comm, g_total - topk.residual[id(bucket)]), rtol=1e-6, atol=1e-6)
 
     # PowerSGD with rank 2 is exact on gradients that share a rank-2 column space
     shapes = [(20, 12), (7,)]
@@ -72,18 +72,20 @@ def _compressors_against_mpi():
     matrix = u @ rng.standard_normal((2, 12))
     vector = rng.standard_normal(7)
     flat = np.concatenate([matrix.ravel(), vector])
-    mean = _exact_mean(comm, flat)
+    total = _exact_sum(comm, flat)
     comm.reset_stats()
     compressor = PowerSGD(rank=2)
     compressor.reduce(comm, bucket, flat)
-    np.testing.assert_allclose(flat, mean, rtol=1e-9, atol=1e-12)
-    # error feedback keeps what this rank's gradient has that the shared approximation lacks
-    np.testing.assert_allclose(compressor.residual[id(bucket.params[0])], matrix - mean[:240].reshape(20, 12), atol=1e-12)
+    np.testing.assert_allclose(flat, total, rtol=1e-9, atol=1e-12)
+    # error feedback keeps what this rank's gradient has beyond its share (1/p) of the shared approximation
+    np.testing.assert_allclose(compressor.residual[id(bucket.params[0])], matrix - total[:240].reshape(20, 12) / p,
+                               atol=1e-12)
     expected = sum(_fp32_ring_bytes(size, p, comm.rank) * 2 for size in (7, 20 * 2, 12 * 2))  # float64: twice fp32
     assert comm.bytes_sent("grads") == expected
 
-    # error feedback over steps, on full-rank gradients: each rank's residual e_t = g_t + e_{t−1} − P_t Q_tᵀ, so the
-    # approximations sent add up to Σ_t g_t − e_T on every rank (what is held back is added back, never lost)
+    # error feedback over steps, on full-rank gradients: each rank's residual e_t = g_t + e_{t−1} − P_t Q_tᵀ/p (its
+    # share of the summed approximation), so its shares add up to Σ_t g_t − e_T on every rank (what is held back is
+    # added back, never lost), and the residuals' sum is all the approximations left out
     bucket, compressor = _bucket([(20, 12)]), PowerSGD(rank=2)
     sent_total, g_total = np.zeros(240), np.zeros(240)
     for step in range(3):
@@ -94,7 +96,8 @@ def _compressors_against_mpi():
         g_total += g
     residual = compressor.residual[id(bucket.params[0])].ravel()
     assert np.abs(residual).max() > 0.1  # rank 2 of a full-rank 20×12 matrix: much is held back
-    np.testing.assert_allclose(sent_total, g_total - residual, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(sent_total / comm.size, g_total - residual, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(sent_total, _exact_sum(comm, g_total - residual), rtol=1e-12, atol=1e-12)
 
 
 def _fp32_ring_bytes(n, p, rank):
@@ -153,8 +156,8 @@ def _local_sgd_h1_is_data_parallel_sgd():
     local_engine, local_opt = DataParallel(local, alone), SGD(local.parameters(), lr=0.1)
     averager = LocalSGD(local, world, sync_every=1, outer_lr=1.0, outer_momentum=0.0)
     for x in batches:
-        for engine, opt in ((dp_engine, dp_opt), (local_engine, local_opt)):
-            engine(x, x)[1].backward()
+        for engine, opt, share in ((dp_engine, dp_opt, 1 / world.size), (local_engine, local_opt, 1.0)):
+            (engine(x, x)[1] * share).backward()  # its tokens over those whose gradients the engine sums
             engine.sync_gradients()
             opt.step()
             opt.zero_grad()

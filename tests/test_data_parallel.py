@@ -219,7 +219,7 @@ def test_zero_needs_data_parallel_ranks():
 
 def _unused_parameters_reduce_as_zeros():
     """A parameter that got no gradient in this forward (unused) reduces as zeros, beside one that did: the used
-    one's gradient is MPI's average of every rank's, the unused one's is 0 on every rank."""
+    one's gradient is MPI's sum of every rank's, the unused one's is 0 on every rank."""
     from mpi4py import MPI
 
     from minipar.autograd import Tensor
@@ -239,10 +239,10 @@ def _unused_parameters_reduce_as_zeros():
     x = np.arange(3.0) * (comm.rank + 1)
     engine(x).backward()
     engine.sync_gradients()
-    mean = np.empty(3)
-    comm.mpi.Allreduce(x, mean, op=MPI.SUM)
+    total = np.empty(3)
+    comm.mpi.Allreduce(x, total, op=MPI.SUM)
     used, unused = engine.module.used.grad, engine.module.unused.grad
-    np.testing.assert_allclose(used, mean / comm.size, rtol=1e-15)
+    np.testing.assert_allclose(used, total, rtol=1e-15)
     assert (unused == 0).all() and unused.shape == (2,)
 
 

@@ -94,8 +94,8 @@ def test_adamw_masters_follow_the_float64_update(dtype):
 
 
 def _zero_masters_equal_adamw(stage):
-    """Every rank backpropagates the same batch, so each rank's 16-bit gradient already is the average (g + g)/2
-    = g exactly: ZeRO's float32 master shards must then equal single-process AdamW's masters bit for bit."""
+    """Every rank backpropagates the same batch as its share 1/2 of the global tokens, so the sum of the ranks'
+    16-bit gradients g/2 + g/2 = g exactly (halving is exact): ZeRO's float32 master shards must then equal single-process AdamW's masters bit for bit."""
     from minipar.comm import Communicator
     from minipar.models.gpt import GPT, GPTConfig
     from minipar.optim import AdamW
@@ -111,7 +111,7 @@ def _zero_masters_equal_adamw(stage):
     for _ in range(4):
         for model, optimizer in ((reference, adamw), (engine, engine)):
             _, loss = model(x, x)
-            loss.backward()
+            (loss * (1 / comm.size if optimizer is engine else 1.0)).backward()
             if optimizer is engine:
                 engine.sync_gradients()
             optimizer.step()
@@ -136,22 +136,45 @@ def test_fp16_overflow_skips_the_step_and_backs_off():
     assert all(np.isfinite(r["loss"]) for r in records)
 
 
+# The issue's configuration: its ranks' local float16 backward overflowed when each rank's loss was the mean over
+# its own rows (every activation gradient dp times the one process's); the global-token normalization makes them
+# the one process's. From 2^20 the one process skips its first steps and backs off, so skips are tested both ways.
+OVERFLOW = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--warmup", "2", "--steps", "12",
+            "--precision", "fp16-mixed", "--loss-scale", str(2.0**20), "--eval-interval", "0", "--json"]
+
+
 @pytest.fixture(scope="module")
 def fp16_one_process():
-    return train_cli([*TINY, *CONSTANT_LR, "--steps", "10", "--precision", "fp16-mixed"], 1)[0]
+    runs = {}
+    return lambda batch: runs.setdefault(batch, train_cli([*OVERFLOW, "--batch-size", str(batch)], 1)[0])
 
 
-@pytest.mark.parametrize("layout", [["--zero", "0"], ["--zero", "1"], ["--zero", "2"], ["--zero", "3"]])
-def test_fp16_data_parallel_skips_what_one_process_skips(fp16_one_process, layout):
-    """At the default loss scale 2^16 one process overflows at step 5 here. dp 2 reduces the loss-scaled float16
-    gradients in float32 (their 16-bit sum overflowed at step 2, a step one process takes), so it skips exactly
-    the steps one process skips, backs off to the same scales, and its losses stay within 1e-3 of it."""
-    records, _ = train_cli([*TINY, *CONSTANT_LR, "--steps", "10", "--precision", "fp16-mixed", "--dp", "2", *layout], 2)
-    skipped = [r["skipped"] for r in fp16_one_process]
+@pytest.mark.parametrize("batch,ranks,layout", [
+    (4, 2, ["--dp", "2"]),
+    (6, 3, ["--dp", "3", "--zero", "1"]),
+    (8, 4, ["--dp", "4", "--zero", "2"]),
+    (8, 2, ["--dp", "2", "--zero", "3", "--microbatches", "2"]),
+    (12, 3, ["--dp", "3", "--microbatches", "4"]),
+    (8, 4, ["--dp", "2", "--pp", "2", "--microbatches", "2", "--schedule", "1f1b"]),
+    (8, 4, ["--dp", "2", "--zero", "1", "--pp", "2", "--microbatches", "2", "--schedule", "zb-h1"]),
+    (4, 4, ["--dp", "2", "--cp", "2"]),
+    (4, 2, ["--dp", "2", "--local-sgd", "1", "--outer-lr", "1", "--outer-momentum", "0"]),
+])
+def test_fp16_data_parallel_skips_what_one_process_skips(fp16_one_process, batch, ranks, layout):
+    """Each rank's backward starts from its tokens / the global batch's tokens (Pipeline.run), so every
+    activation gradient of every rank is the one process's and the float16 backward overflows where the one
+    process's does: the same skipped steps and loss scales exactly, any dp, ZeRO stage, microbatch count,
+    schedule or cp, and each loss within one fp16 unit roundoff. (Local SGD with H = 1, η_out = 1, μ = 0 averages
+    each step's update: its inner gradient is the replica's own mean, normalized over its own rows.)"""
+    reference = fp16_one_process(batch)
+    records, _ = train_cli([*OVERFLOW, "--batch-size", str(batch), *layout], ranks)
+    skipped = [r["skipped"] for r in reference]
     assert any(skipped) and not all(skipped)
     assert [r["skipped"] for r in records] == skipped
-    assert [r["loss_scale"] for r in records] == [r["loss_scale"] for r in fp16_one_process]
-    np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in fp16_one_process], rtol=1e-3)
+    assert [r["loss_scale"] for r in records] == [r["loss_scale"] for r in reference]
+    if "--local-sgd" not in layout:  # averaging the replicas' Adam updates is not the one process's step
+        np.testing.assert_allclose([r["loss"] for r in records], [r["loss"] for r in reference],
+                                   rtol=UNIT_ROUNDOFF["fp16-mixed"])
 
 
 @pytest.mark.parametrize("ranks,layout", [(1, []), (2, ["--dp", "2", "--zero", "1"])])

@@ -1,9 +1,10 @@
-"""Tutorial 3: data parallelism — same model everywhere, a slice of the batch each, averaged gradients.
+"""Tutorial 3: data parallelism — same model everywhere, a slice of the batch each, summed gradients.
 
     mpiexec -n 4 python tutorials/03_data_parallel.py
 
 Every rank also trains a single-process copy on the *whole* batch, and asserts that the
-data-parallel model ends bit-for-bit close (rtol 1e-9, float64) to it.
+data-parallel model ends bit-for-bit close (rtol 1e-9, float64) to it. Each rank's loss is normalized by the
+global batch's tokens (its mean times its share, 1/p), so the gradients sum over the ranks to the one process's.
 """
 import numpy as np
 
@@ -36,9 +37,10 @@ for step in range(5):
 
     comm.reset_stats()
     _, loss = model(shard_rows(x, r, p), shard_rows(y, r, p))  # this rank: its 4 rows
-    loss.backward()                                          # buckets all-reduce while backward runs
+    (loss * (1 / p)).backward()                              # its tokens / the global tokens; buckets all-reduce
+                                                             # while backward runs
     launched = sum(b.handle is not None for b in model.buckets)
-    model.sync_gradients()                                   # wait: p.grad = mean over ranks
+    model.sync_gradients()                                   # wait: p.grad = the sum over ranks
     opt.step()
     opt.zero_grad()
     mean_loss = comm.all_reduce(np.array([loss.item()]), op="avg", label="loss")[0]
@@ -57,9 +59,9 @@ x, y = batches(99)
 xs, ys = np.split(shard_rows(x, r, p), 2), np.split(shard_rows(y, r, p), 2)
 comm.reset_stats()
 with model.no_sync():
-    (model(xs[0], ys[0])[1] * 0.5).backward()
+    (model(xs[0], ys[0])[1] * (0.5 / p)).backward()
 assert comm.bytes_sent("grads") == 0
-(model(xs[1], ys[1])[1] * 0.5).backward()
+(model(xs[1], ys[1])[1] * (0.5 / p)).backward()
 model.sync_gradients()
 (single(x, y)[1]).backward()
 for a, b in zip(model.parameters(), single.parameters()):

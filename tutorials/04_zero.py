@@ -46,7 +46,7 @@ for stage in (0, 1, 2, 3):
         comm.reset_stats()
         x, y = batches(step)
         _, loss = engine(shard_rows(x, r, p), shard_rows(y, r, p))
-        loss.backward()
+        (loss * (1 / p)).backward()  # this rank's share of the global tokens: the ranks' gradients sum
         engine.sync_gradients()
         opt.clip_grad_norm(1.0)
         opt.step()

@@ -3,7 +3,7 @@
     mpiexec -n 4 python tutorials/09_compression_and_async.py
 
 1. Each compressor reduces one gradient bucket; we print its bytes on the wire, the ratio to the
-   float32 ring all-reduce, and its error against MPI's exact average.
+   float32 ring all-reduce, and its error against MPI's exact sum.
 2. Error feedback: what top-k does not send is not lost — it is sent later.
 3. Local SGD with H = 1, inner SGD and plain averaging is synchronous data parallelism; with H = 8 it
    communicates 8× less; DiLoCo adds an outer Nesterov step; staleness lets the average arrive late.
@@ -30,8 +30,7 @@ rng = np.random.default_rng(r)
 low_rank = np.random.default_rng(7).standard_normal((64, 3)) @ rng.standard_normal((3, 48))  # gradients are ~low rank
 g = np.concatenate([(low_rank + 0.05 * rng.standard_normal((64, 48))).ravel(), rng.standard_normal(48)]).astype(np.float32)
 exact = np.empty_like(g)
-comm.mpi.Allreduce(g, exact)
-exact /= p
+comm.mpi.Allreduce(g, exact)  # the sum: each rank's gradient already carries its share of the global tokens
 full = all_reduce_bytes_sent(g.size, 4, p, 0, "ring")
 say(f"1. one bucket of {g.size:,} float32 on {p} ranks; the float32 ring all-reduce sends {full:,} B per rank")
 for compressor in (Cast("float16"), Cast("bfloat16"), Int8(), TopK(0.05), PowerSGD(rank=4)):
@@ -56,9 +55,9 @@ for step in range(10):
 held = topk.residual[id(bucket)]
 total = np.empty_like(grad_sum)
 comm.mpi.Allreduce(grad_sum - held, total)
-say(f"2. 10 steps of top-2%: Σ sent averages = mean over ranks of (Σ gradients − what is still held back), "
-    f"max difference {np.abs(sent_sum - total / p).max():.1e}")
-assert np.allclose(sent_sum, total / p, atol=1e-4)
+say(f"2. 10 steps of top-2%: Σ sent sums = sum over ranks of (Σ gradients − what is still held back), "
+    f"max difference {np.abs(sent_sum - total).max():.1e}")
+assert np.allclose(sent_sum, total, atol=1e-4)
 
 # 3. Local SGD ----------------------------------------------------------------------------------------
 cfg = GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16, dtype="float64")
@@ -69,8 +68,8 @@ local_engine, local_opt = DataParallel(local, alone), SGD(local.parameters(), lr
 averager = LocalSGD(local, comm, sync_every=1, outer_lr=1.0, outer_momentum=0.0)
 for step in range(5):
     x = np.random.default_rng((r, step)).integers(0, 32, (2, 8))
-    for engine, opt in ((dp_engine, dp_opt), (local_engine, local_opt)):
-        engine(x, x)[1].backward()
+    for engine, opt, share in ((dp_engine, dp_opt, 1 / p), (local_engine, local_opt, 1.0)):
+        (engine(x, x)[1] * share).backward()  # the tokens whose gradients sum: all p ranks', or its own
         engine.sync_gradients()
         opt.step()
         opt.zero_grad()

@@ -77,7 +77,7 @@ mesh = Mesh(comm, dp=N, ep=2)
 model = expert_parallel(GPT(cfg, seed=0), mesh.ep_comm)
 engine = DataParallel(model, mesh.grad_comm, expert_comm=mesh.expert_grad_comm)
 _, loss = engine(shard_rows(x, r, N), shard_rows(y, r, N))
-loss.backward()
+(loss * (1.0 / N)).backward()  # its share of the global tokens: the gradients sum over the replicas
 engine.sync_gradients()
 reference = GPT(cfg, seed=0)  # one process, the same token groups: one microbatch per dp rank, mean of the losses
 for rank in range(N):
@@ -90,6 +90,6 @@ for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
 groups = comm.mpi.gather((sorted(mesh.ep_comm.mpi.allgather(r)), sorted(mesh.expert_grad_comm.mpi.allgather(r))))
 for rank, (ep_group, replicas) in enumerate(groups or []):
     say(f"   rank {rank}: exchanges tokens with ranks {ep_group}, holds experts {2 * (rank % 2)}-{2 * (rank % 2) + 1}, "
-        f"whose gradients it averages with ranks {replicas}")
-say("   every gradient (dense: averaged over all 4 ranks; experts: over their 2 holders, × 1/ep) = single process")
+        f"whose gradients it sums with ranks {replicas}")
+say("   every gradient (dense: summed over all 4 ranks; experts: over their 2 holders) = single process")
 say("all invariants hold")

@@ -46,7 +46,7 @@ for (dtype, stage), per_parameter in table.items():
     else:
         engine, optimizer = DataParallel(model, comm), AdamW(model.parameters(), lr=1e-3)
     _, loss = engine(shard_rows(x, r, n), shard_rows(y, r, n))
-    loss.backward()
+    (loss * (1 / n)).backward()
     engine.sync_gradients()
     optimizer.step()  # the optimizer state exists from the first step on
     counted = engine.model_state_bytes(optimizer)

@@ -2,8 +2,8 @@
 
 Plug one into DataParallel (``DataParallel(model, comm, compression=TopK(0.01))``, or
 ``train --compression topk``): each full gradient bucket is handed to ``reduce(comm, bucket, flat)``
-on the communication thread, which must leave the average over ranks (or its approximation) in
-``flat``. Bytes per rank and step, for a bucket of n float32 values on p ranks (ring all-reduce:
+on the communication thread, which must leave the sum over ranks (or its approximation) in
+``flat`` (each rank's gradient already carries its share of the global tokens: data_parallel.py). Bytes per rank and step, for a bucket of n float32 values on p ranks (ring all-reduce:
 8(p−1)/p·n):
 
     Cast("float16"/"bfloat16")  ring all-reduce with a 16-bit wire, float32 adds   4(p−1)/p·n      2×
@@ -41,7 +41,7 @@ class Compressor:
     loss_scale = 1.0
 
     def reduce(self, comm: Communicator, bucket: Bucket, flat: Any) -> None:
-        """Replace ``flat`` (this rank's gradient for ``bucket``) by the (approximate) average over ranks."""
+        """Replace ``flat`` (this rank's gradient for ``bucket``) by the (approximate) sum over ranks."""
         raise NotImplementedError
 
     def export_state(self, buckets: list[Bucket]) -> dict[str, np.ndarray]:
@@ -75,10 +75,10 @@ class Cast(Compressor):
 
     def reduce(self, comm: Communicator, bucket: Bucket, flat: Any) -> None:
         if not is_low_precision(flat.dtype):
-            comm.all_reduce(flat, op="avg", wire=self.wire, label="grads")
+            comm.all_reduce(flat, wire=self.wire, label="grads")
             return
         wide = flat.astype(xp.float32)  # 16-bit gradients (mixed precision): the same wire, float32 adds
-        comm.all_reduce(wide, op="avg", wire=self.wire, label="grads")
+        comm.all_reduce(wide, wire=self.wire, label="grads")
         flat[...] = wide
 
 
@@ -88,7 +88,7 @@ def _gather_payloads(comm: Communicator, payload: np.ndarray) -> list[np.ndarray
 
 
 class Int8(Compressor):
-    """q = round(127 · g / max|g|) per rank and bucket; ranks exchange (scale, q) and average the dequantized values."""
+    """q = round(127 · g / max|g|) per rank and bucket; ranks exchange (scale, q) and sum the dequantized values."""
 
     name = "int8"
 
@@ -100,11 +100,11 @@ class Int8(Compressor):
         total = np.zeros(g.size, np.float32)
         for other in _gather_payloads(comm, payload):
             total += other[4:].view(np.int8).astype(np.float32) * other[:4].view(np.float32)[0]
-        flat[...] = to_device(total / comm.size, dtype=flat.dtype)
+        flat[...] = to_device(total, dtype=flat.dtype)
 
 
 class TopK(Compressor):
-    """Send the ``ratio`` share of largest-magnitude entries (with error feedback); average the sparse sums."""
+    """Send the ``ratio`` share of largest-magnitude entries (with error feedback); sum them densely."""
 
     def __init__(self, ratio: float = 0.01):
         if not 0 < ratio <= 1:
@@ -129,7 +129,7 @@ class TopK(Compressor):
             residual = e / self.loss_scale
             residual[top] = 0.0
             self.residual[id(bucket)] = residual
-        flat[...] = to_device(dense / comm.size, dtype=flat.dtype)
+        flat[...] = to_device(dense, dtype=flat.dtype)
 
 
 class PowerSGD(Compressor):
@@ -157,7 +157,7 @@ class PowerSGD(Compressor):
             (matrices if self._compressible(shape) else vectors).append(i)
         if vectors:  # biases and layer norms: too small to compress
             rest = xp.concatenate([bucket.slot(flat, i).reshape(-1) for i in vectors])
-            comm.all_reduce(rest, op="avg", algorithm="ring", label="grads")
+            comm.all_reduce(rest, algorithm="ring", label="grads")
             offset = 0
             for i in vectors:
                 n = int(np.prod(bucket.shapes[i]))
@@ -173,20 +173,22 @@ class PowerSGD(Compressor):
                 rng = np.random.default_rng((self.seed, i, *m.shape))
                 self.q[key] = to_device(rng.standard_normal((m.shape[1], self.rank)), dtype=m.dtype)
             ms.append((key, m))
-        ps = self._all_average(comm, [m @ self.q[key] for key, m in ms])
+        ps = self._all_sum(comm, [m @ self.q[key] for key, m in ms])
         ps = [xp.linalg.qr(p)[0] for p in ps]  # orthonormal columns, identical on every rank
-        qs = self._all_average(comm, [m.T @ p for (_, m), p in zip(ms, ps)])
+        qs = self._all_sum(comm, [m.T @ p for (_, m), p in zip(ms, ps)])
         for i, (key, m), p, q in zip(matrices, ms, ps, qs):
-            approx = p @ q.T  # from the averaged factors: the same on every rank, non-finite if any rank overflowed
+            approx = p @ q.T  # from the summed factors: the same on every rank, non-finite if any rank overflowed
             if bool(xp.isfinite(approx).all()):  # an overflowed step leaves the residual and the warm start alone
-                self.residual[key], self.q[key] = (m - approx) / self.loss_scale, q
+                # this rank's share of the sum is approx/p: what its own m lacks of it is held back (the residuals
+                # sum to Σ m − approx, the compression's whole error, sent again next step)
+                self.residual[key], self.q[key] = (m - approx / comm.size) / self.loss_scale, q
             bucket.slot(flat, i)[...] = approx
 
     @staticmethod
-    def _all_average(comm: Communicator, arrays: list[Any]) -> list[Any]:
-        """One ring all-reduce (avg) of several small matrices, concatenated."""
+    def _all_sum(comm: Communicator, arrays: list[Any]) -> list[Any]:
+        """One ring all-reduce (sum) of several small matrices, concatenated."""
         flat = xp.concatenate([a.reshape(-1) for a in arrays])
-        comm.all_reduce(flat, op="avg", algorithm="ring", label="grads")
+        comm.all_reduce(flat, algorithm="ring", label="grads")
         out, offset = [], 0
         for a in arrays:
             out.append(flat[offset:offset + a.size].reshape(a.shape))

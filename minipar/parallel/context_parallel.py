@@ -25,8 +25,9 @@ with the conjugate all-to-alls in backward. Per layer and direction a rank sends
 
 Why both equal single-process training. Every (query, key) score is computed once, on one rank, with
 the same causal mask on global positions; all other layers are per token. Each rank's loss is the mean
-over its T/cp positions, and parameters are replicated over cp like over dp, so averaging gradients
-over the dp×cp ranks (``Mesh.grad_comm``) gives the gradient of the mean over all tokens — autograd's
+over its T/cp positions, its backward starts from its share of the global tokens (data_parallel.py), and
+parameters are replicated over cp like over dp, so summing gradients over the dp×cp ranks (``Mesh.grad_comm``)
+gives the gradient of the mean over all tokens — autograd's
 backward through the exchanges routes every rank's share of every other rank's loss to where it belongs.
 
 A mixture-of-experts layer routes the whole sequences of its cp ranks as one group, as one process

@@ -1,14 +1,18 @@
 """Data parallelism (DDP): every rank holds the whole model and a slice of the batch; gradients are
-averaged with all-reduce, bucket by bucket, while backward is still running.
+summed with all-reduce, bucket by bucket, while backward is still running.
 
     model = DataParallel(GPT(cfg), comm, bucket_mb=25)   # rank 0's parameters broadcast to all
     _, loss = model(x_local, y_local)                    # x_local: this rank's rows of the global batch
-    loss.backward()                                      # buckets all-reduce as soon as they fill
-    model.sync_gradients()                               # wait; p.grad = the average over ranks
+    (loss * (n_local / n_global)).backward()             # buckets all-reduce as soon as they fill
+    model.sync_gradients()                               # wait; p.grad = the sum over ranks
     optimizer.step()
 
-Why it equals single-process training: rank r's loss is the mean over its B/p rows, so
-(1/p) Σ_r ∇L_r = ∇ (mean over all B rows) = the single-process gradient.
+Why it equals single-process training — the global-token normalization (torchtitan's). Rank r's loss L_r is
+the mean over its n_r tokens; its backward starts from n_r/N (N = Σ_r n_r, the global batch's tokens), so it
+computes ∇ of (its token-sum of losses)/N, and the sum over ranks Σ_r (n_r/N)·∇L_r = ∇ (mean over all N
+tokens) = the single-process gradient. Every activation gradient of rank r is then the one process's for the
+same rows, elementwise — not p times it, as averaging the ranks' own means would make it — so an fp16 backward
+overflows on a rank exactly where the one process's does (Pipeline.run seeds the backward this way).
 
 Buckets. Parameters are grouped, in the order their gradients become final in backward (the
 reverse of the forward order), into flat buffers of about ``bucket_mb``. A gradient hook copies
@@ -18,13 +22,13 @@ the communication thread, overlapping with the backward of earlier layers. Each 
 bucket (no extra copy).
 
 Gradient accumulation: inside ``with model.no_sync():`` hooks do nothing and gradients simply
-accumulate in ``p.grad``; the next backward outside it averages the accumulated sum.
+accumulate in ``p.grad``; the next backward outside it sums the accumulated gradients over the ranks.
 
 Expert parameters (``p.placement.experts``, see models/moe.py) under expert parallelism differ between the
 ranks of an ep group, so they reduce over ``expert_comm`` — the ranks holding the same experts —
 instead of ``comm``. Their gradient on a rank already sums the contributions of the ep ranks whose
-tokens it computed; averaging over the dp/ep expert replicas multiplies that sum by ep/dp, and the
-scale 1/ep then gives the same (1/dp) Σ_r ∇L_r as for every other parameter (:func:`replica_groups`).
+tokens it computed; summing over the dp/ep expert replicas adds the rest, so every parameter's gradient is
+the same Σ_r (n_r/N)·∇L_r (:func:`replica_groups`).
 
 Deep dive, with measurements: docs/data_parallel.md.
 """
@@ -42,12 +46,10 @@ from minipar.nn import Module, Parameter
 
 class Bucket:
     """Parameters whose gradients travel together as one flat buffer of ``size`` elements of ``grad_dtype`` (the
-    parameters' dtype, or float32 to reduce 16-bit gradients in full precision), reduced over ``comm`` and then
-    multiplied by ``scale`` (1 but for expert parameters: see :func:`replica_groups`)."""
+    parameters' dtype, or float32 to reduce 16-bit gradients in full precision), summed over ``comm``."""
 
-    def __init__(self, params: list[Parameter], comm: Communicator | None = None, scale: float = 1.0,
-                 grad_dtype: Any = None):
-        self.params, self.comm, self.scale = params, comm, scale
+    def __init__(self, params: list[Parameter], comm: Communicator | None = None, grad_dtype: Any = None):
+        self.params, self.comm = params, comm
         self.shapes = [p.shape for p in params]  # kept: ZeRO-3 empties the parameters themselves
         self.offsets = np.cumsum([0] + [p.size for p in params]).tolist()
         self.size = self.offsets[-1]
@@ -65,36 +67,40 @@ class Bucket:
         return xp.concatenate([a.reshape(-1) for a in arrays]) if arrays else xp.zeros(0, self.dtype)
 
 
+def rounded_to(reduced: Any, dtype: Any) -> Any:
+    """A gradient reduced in float32 (``reduce_dtype``) rounded to its parameters' 16-bit ``dtype``, as the one
+    process holds it: a float16 value beyond 65504 is inf there too, so an fp16 run overflows — and skips — where
+    the one process does."""
+    return reduced if reduced.dtype == dtype else reduced.astype(dtype)
+
+
 def make_buckets(params: list[Parameter], bucket_bytes: float, comm: Communicator | None = None,
-                 scale: float = 1.0, grad_dtype: Any = None) -> list[Bucket]:
+                 grad_dtype: Any = None) -> list[Bucket]:
     """Consecutive runs of ``params`` (already in gradient-ready order) of about ``bucket_bytes`` each."""
     buckets, current, size = [], [], 0
     for p in params:
         if current and (size + p.data.nbytes > bucket_bytes or p.dtype != current[0].dtype):
-            buckets.append(Bucket(current, comm, scale, grad_dtype))
+            buckets.append(Bucket(current, comm, grad_dtype))
             current, size = [], 0
         current.append(p)
         size += p.data.nbytes
     if current:
-        buckets.append(Bucket(current, comm, scale, grad_dtype))
+        buckets.append(Bucket(current, comm, grad_dtype))
     return buckets
 
 
-def replica_groups(params: list[Parameter], comm: Communicator, expert_comm: Communicator | None,
-                   expert_scale: float | None = None) -> list[tuple[list[Parameter], Communicator, float]]:
-    """(parameters, the ranks holding identical copies of them, gradient scale after averaging there).
+def replica_groups(params: list[Parameter], comm: Communicator, expert_comm: Communicator | None
+                   ) -> list[tuple[list[Parameter], Communicator]]:
+    """(parameters, the ranks holding identical copies of them, over which their gradients sum).
 
-    Every gradient must end as the average over ``comm``'s loss replicas. Dense parameters: average
-    over ``comm``. Expert parameters (``p.placement.experts``) with an ``expert_comm`` (the dp/ep ranks holding
-    the same experts): average there, times expert_comm.size / comm.size = 1/ep (``expert_scale`` when
-    both are only the sharding part of their replicas, as under hybrid sharding).
+    Dense parameters: ``comm``. Expert parameters (``p.placement.experts``) with an ``expert_comm``: the dp/ep
+    ranks holding the same experts (their ep group already summed the other tokens' contributions).
     """
     if expert_comm is None or expert_comm is comm:
-        return [(params, comm, 1.0)]
+        return [(params, comm)]
     dense = [p for p in params if not p.placement.experts]
     experts = [p for p in params if p.placement.experts]
-    scale = expert_comm.size / comm.size if expert_scale is None else expert_scale
-    return [(group, c, s) for group, c, s in ((dense, comm, 1.0), (experts, expert_comm, scale)) if group]
+    return [(group, c) for group, c in ((dense, comm), (experts, expert_comm)) if group]
 
 
 def gradient_ready_order(model: Module) -> list[Parameter]:
@@ -114,9 +120,9 @@ def live_bytes(arrays: list[Any]) -> int:
     return sum(bases.values())
 
 
-def broadcast_parameters(groups: list[tuple[list[Parameter], Communicator, float]]) -> None:
+def broadcast_parameters(groups: list[tuple[list[Parameter], Communicator]]) -> None:
     """Each group's rank-0 parameters to the group, one flat buffer per dtype (binomial tree: ⌈log₂p⌉ rounds)."""
-    for params, comm, _ in groups:
+    for params, comm in groups:
         if comm.size == 1:
             continue
         for group in make_buckets(params, float("inf")):
@@ -170,8 +176,8 @@ class DataParallel(ReplicatedModel):
         self.loss_scale = 1.0
         groups = replica_groups(gradient_ready_order(model), comm, expert_comm)
         broadcast_parameters(groups)
-        self.buckets = [b for params, c, scale in groups for b in make_buckets(params, bucket_mb * 2**20, c, scale, reduce_dtype)
-                        if c.size > 1 or scale != 1.0]
+        self.buckets = [b for params, c in groups for b in make_buckets(params, bucket_mb * 2**20, c, reduce_dtype)
+                        if c.size > 1]
         for bucket in self.buckets:
             for i, p in enumerate(bucket.params):
                 p.register_hook(lambda p, bucket=bucket, i=i: self._gradient_ready(bucket, i))
@@ -199,12 +205,12 @@ class DataParallel(ReplicatedModel):
 
     def _launch(self, bucket: Bucket) -> None:
         if self.compression is None:
-            bucket.handle = bucket.comm.all_reduce(bucket.buffer, op="avg", async_op=True, algorithm="ring", label="grads")
+            bucket.handle = bucket.comm.all_reduce(bucket.buffer, async_op=True, algorithm="ring", label="grads")
         else:  # compress, communicate, decompress: all on the communication thread
             bucket.handle = bucket.comm.submit(lambda: self.compression.reduce(bucket.comm, bucket, bucket.buffer))
 
     def sync_gradients(self) -> None:
-        """Wait for every bucket's all-reduce; afterwards each ``p.grad`` is the average over ranks.
+        """Wait for every bucket's all-reduce; afterwards each ``p.grad`` is the sum over ranks.
 
         A bucket some of whose parameters got no gradient (unused in this forward) is reduced here,
         with zeros for the missing ones, in bucket order — the same order on every rank.
@@ -219,11 +225,12 @@ class DataParallel(ReplicatedModel):
                 self._launch(bucket)
         for bucket in self.buckets:
             bucket.handle.wait()
-            if bucket.scale != 1.0:
-                bucket.buffer *= bucket.scale
+            reduced = rounded_to(bucket.buffer, bucket.dtype)
             for i, p in enumerate(bucket.params):
-                p.grad = bucket.slot(bucket.buffer, i)
+                p.grad = bucket.slot(reduced, i)
             bucket.handle, bucket.ready = None, 0
+            if reduced is not bucket.buffer:  # the float32 buffer is refilled from scratch next step
+                bucket.buffer = None
 
     def rank_state(self) -> dict[str, Any]:
         """The compressor's error feedback ({} without one)."""

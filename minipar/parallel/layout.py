@@ -203,8 +203,8 @@ class Layout:
                 model, mesh.dp_comm, self.local_sgd, self.outer_lr, self.outer_momentum, staleness=self.staleness,
                 masters=optimizer.master)
         experts = mesh.expert_grad_comm if mesh.ep > 1 else None
-        # loss-scaled float16 gradients are reduced in float32: their sum over the ranks can overflow where the one
-        # process's gradient (their mean) does not, and the run would skip steps the one process takes
+        # loss-scaled float16 gradients are reduced in float32: the sum is the one process's gradient, but a partial
+        # sum of terms of both signs can exceed it, overflow in 16 bits, and skip a step the one process takes
         reduce_dtype = np.float32 if self.reduce_dtype == "float32" or self.precision == "fp16-mixed" else None
         if self.zero:
             engine = ZeRO(model, mesh.shard_comm, self.zero, lr=lr, weight_decay=weight_decay, bucket_mb=bucket_mb,
@@ -225,6 +225,12 @@ class Layout:
         """This rank's share of a global (B, T) batch: its data-parallel group's B/dp rows, its cp rank's
         positions of each (contiguous or zigzag chunks)."""
         return context_slice(shard_rows(batch, mesh.dp_rank, mesh.dp), mesh.cp_comm, self.cp_split)
+
+    def loss_tokens(self, global_tokens: int) -> int:
+        """The tokens each rank's loss is normalized by (Pipeline.run): all ``global_tokens`` of the global batch,
+        whose gradients the data-parallel reduction sums — or, under local SGD, a replica's own B/dp rows' (its
+        inner steps reduce nothing)."""
+        return global_tokens // self.dp if self.local_sgd else global_tokens
 
     def reset_reports(self, model: Any) -> None:
         """Zero the counters the step's reports read (ring attention's work, each MoE layer's routing tally)."""

@@ -46,7 +46,7 @@ class LocalSGD:
         self.comm, self.sync_every, self.staleness = comm, sync_every, staleness
         self.outer_lr, self.outer_momentum, self.nesterov = outer_lr, outer_momentum, nesterov
         self.params = model.parameters()
-        broadcast_parameters([(self.params, comm, 1.0)])
+        broadcast_parameters([(self.params, comm)])
         self.masters = masters or [None] * len(self.params)
         for p, w in zip(self.params, self.masters):  # the broadcast reached the 16-bit copies: the masters follow
             if w is not None:

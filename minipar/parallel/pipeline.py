@@ -161,17 +161,23 @@ class Pipeline:
         loss = model.hooked(model.head, x, to_device(targets), embedding=self.head_embedding)[1]
         return (loss if balance is None else loss + balance), None
 
-    def run(self, engine: Any, x: np.ndarray, y: np.ndarray, loss_scale: float = 1.0) -> list[Any]:
+    def run(self, engine: Any, x: np.ndarray, y: np.ndarray, loss_scale: float = 1.0,
+            tokens: int | None = None) -> list[Any]:
         """Forward and backward of the schedule's m microbatches of (x, y); returns this rank's terms of their losses
         as 0-d xp arrays: the losses on the rank with the last stage, the balancing losses of an MoE model's
         earlier stages on theirs (their sum over the pipeline ranks is each microbatch's loss).
 
-        Each chunk's backward passes but its last run under ``engine.no_sync()`` (module docstring). Backward
-        starts from loss·loss_scale/m (float16 loss scaling; the losses returned are unscaled)."""
+        Each chunk's backward passes but its last run under ``engine.no_sync()`` (module docstring). The loss is
+        normalized by the global token count: microbatch i's backward starts from loss_i·loss_scale·n_i/N, with
+        n_i its targets and N = ``tokens``, all the targets whose gradients the data-parallel reduction sums
+        (``Layout.loss_tokens``; None: this rank's own y, as without data parallelism) — so the gradient is that of
+        (token-sum of losses)/N, and every activation gradient the one process's (data_parallel.py). float16 loss
+        scaling multiplies it by loss_scale; the losses returned are unscaled."""
         m, schedule = self.schedule.m, self.schedule
         xs, ys = np.split(x, m), np.split(y, m)
+        seeds = [loss_scale * yi.size / (tokens or y.size) for yi in ys]
         if self.n_ranks == 1:
-            return self._run_single_stage(engine, xs, ys, loss_scale)
+            return self._run_single_stage(engine, xs, ys, seeds)
         last_stage = self.n_stages - 1
         shape = (len(xs[0]), len(self.model.positions(x.shape[1])), self.model.config.n_embd)
         self._exchange_tied_embedding()
@@ -191,7 +197,7 @@ class Pipeline:
                     data, sent_at = self._recv(shape, schedule.rank_of(stage - 1), self._tag(i, stage), f"act {name}")
                     clock, inp = max(clock, sent_at), Tensor(data, requires_grad=True)
                 with trace.span(f"F{name}", "forward"):
-                    out, balance = self._forward(chunk, inp, ys[i], loss_scale / m)
+                    out, balance = self._forward(chunk, inp, ys[i], seeds[i])
                 clock += cost["F"]
                 inputs[i, chunk], outputs[i, chunk] = inp, out
                 peak = max(peak, len(outputs) + len(weight_passes))
@@ -219,7 +225,7 @@ class Pipeline:
                         clock = max(clock, sent_at)
                     with trace.span(f"B{name}", "backward"):
                         out = outputs.pop((i, chunk))
-                        deferred = (out * (loss_scale / m) if stage == last_stage else out).backward(
+                        deferred = (out * seeds[i] if stage == last_stage else out).backward(
                             None if stage == last_stage else grad, defer=self.weights if split else None)
                     if split:
                         weight_passes[i, chunk] = deferred
@@ -240,7 +246,7 @@ class Pipeline:
                       "bubble": 1.0 - busy / makespan, "bubble_formula": schedule.bubble()}
         return list(losses.values())
 
-    def _run_single_stage(self, engine: Any, xs: list, ys: list, loss_scale: float) -> list[Any]:
+    def _run_single_stage(self, engine: Any, xs: list, ys: list, seeds: list[float]) -> list[Any]:
         """No pipeline: plain gradient accumulation through the engine (which may be ZeRO-3's hooks)."""
         m, losses = len(xs), []
         for i, (xi, yi) in enumerate(zip(xs, ys)):
@@ -248,7 +254,7 @@ class Pipeline:
                 with trace.span(f"F{i}", "forward"):
                     _, loss = engine(xi, yi)
                 with trace.span(f"B{i}", "backward"):
-                    (loss * (loss_scale / m)).backward()
+                    (loss * seeds[i]).backward()
             losses.append(loss.data)  # a device scalar: read once per step, by the caller
         self.stats = {"peak_microbatches_in_flight": 1, "bubble": 0.0, "bubble_formula": 0.0}
         return losses

@@ -2,7 +2,7 @@
 
 The decomposition everything rests on: all-reduce = reduce-scatter + all-gather. Plain DP
 all-reduces gradients and lets every rank run the same optimizer step on the same full state. ZeRO
-reduce-scatters instead — rank r receives only its 1/p of the averaged gradient — updates only its
+reduce-scatters instead — rank r receives only its 1/p of the summed gradient — updates only its
 1/p of the parameters and optimizer state, and all-gathers parameters when they are needed.
 
 Per rank, Ψ parameters in float32 (4 bytes each for parameters, gradients, Adam m and v):
@@ -50,13 +50,13 @@ so every gradient is reduced exactly once, in an order every rank of the group s
 
 Hybrid sharding (``replicas``, FSDP's HYBRID_SHARD / HSDP): ``comm`` is one group of K ranks that
 shards the state, and ``replicas`` joins the N/K groups' ranks holding the same shard. A gradient is
-reduce-scattered within the group (average over K), then its shard all-reduced across the groups
-(average over N/K) — together the average over all N ranks — on the communication thread, one after
+reduce-scattered within the group (sum over K), then its shard all-reduced across the groups
+(sum over N/K) — together the sum over all N ranks — on the communication thread, one after
 the other. Per rank: model state 16Ψ/K (stage 3), bytes sent (3(K−1)/K + 2(R−1)/R·1/K)·Ψ·itemsize with
 R = N/K: the shard-size all-reduce is the price of keeping the all-gathers inside a group (a node).
 
 Expert parallelism: expert parameters are sharded over ``expert_comm`` (the ranks holding the same
-experts) instead of ``comm``, each group's gradient scaled as data_parallel.replica_groups says; every
+experts) instead of ``comm``, each summed over its own replicas (data_parallel.replica_groups); every
 shard carries its own communicator, and a stage-3 unit with both kinds holds one shard of each.
 
 Deep dive, with measurements: docs/data_parallel.md.
@@ -76,7 +76,7 @@ from minipar.comm.collectives import chunk_bounds
 from minipar.nn import Module, ModuleList
 from minipar.optim import Optimizer, adamw_update, master_gradient, scale_to_norm, sum_of_squares
 from minipar.parallel.data_parallel import (Bucket, ReplicatedModel, broadcast_parameters, gradient_ready_order,
-                                            live_bytes, make_buckets, replica_groups)
+                                            live_bytes, make_buckets, replica_groups, rounded_to)
 
 MAX_IN_FLIGHT = 2  # groups whose flat gradients may wait for the communication thread at once
 
@@ -156,22 +156,20 @@ class ZeRO(ReplicatedModel, Optimizer):
         # hybrid sharding: the ranks holding the same shard in the other groups, per sharding communicator
         across = {id(comm): replicas, id(expert_comm): expert_replicas}
         self.replicas_of = {key: c for key, c in across.items() if c is not None and c.size > 1}
-        span = lambda c: c.size * (across[id(c)].size if across.get(id(c)) else 1)  # noqa: E731  all its replicas
-        expert_scale = span(expert_comm) / span(comm) if expert_comm is not None else None
-        groups = lambda params: replica_groups(params, comm, expert_comm, expert_scale)  # noqa: E731
+        groups = lambda params: replica_groups(params, comm, expert_comm)  # noqa: E731
         self.beta1, self.beta2, self.eps = betas[0], betas[1], eps
         self.prefetch, self.gather_wait_s = prefetch, 0.0
         self.in_flight: deque[Handle] = deque()  # reduce-scatters not yet known to be done, oldest first
         self.ahead: dict[tuple[int, int], list[Shard]] = {}  # (id(shard), +1 forward / −1 backward) -> next unit's
-        for params, c, _ in groups(self.params):  # every rank of every group from the same start
-            broadcast_parameters([(params, c, 1.0)] + ([(params, self.replicas_of[id(c)], 1.0)]
+        for params, c in groups(self.params):  # every rank of every group from the same start
+            broadcast_parameters([(params, c)] + ([(params, self.replicas_of[id(c)])]
                                                        if id(c) in self.replicas_of else []))
         wd = float(weight_decay)
         if stage < 3:  # groups of at most bucket_mb and a quarter of a shard: the transient gradient buffers (the
             bucket_bytes = min(bucket_mb * 2**20, sum(p.data.nbytes for p in self.params) / (4 * comm.size))  # 1 + 2
             # in flight) stay below one shard, never a whole model's gradients at once
-            self.shards = [Shard(b, wd) for params, c, scale in groups(gradient_ready_order(model))
-                           for b in make_buckets(params, bucket_bytes, c, scale, reduce_dtype)]
+            self.shards = [Shard(b, wd) for params, c in groups(gradient_ready_order(model))
+                           for b in make_buckets(params, bucket_bytes, c, reduce_dtype)]
         else:
             units = default_units(model)
             inner = {id(p) for unit in units for p in unit.parameters()}
@@ -180,8 +178,8 @@ class ZeRO(ReplicatedModel, Optimizer):
             self.shards, by_unit = [], {}
             for module in owners:
                 by_unit[id(module)] = []
-                for params, c, scale in groups(module.parameters() if module is not model else root):
-                    shard = Shard(Bucket(params, c, scale, reduce_dtype), wd)
+                for params, c in groups(module.parameters() if module is not model else root):
+                    shard = Shard(Bucket(params, c, reduce_dtype), wd)
                     self.shards.append(shard)
                     by_unit[id(module)].append(shard)
                     module.register_forward_pre_hook(lambda m, shard=shard: self._gather(shard, +1))
@@ -265,11 +263,10 @@ class ZeRO(ReplicatedModel, Optimizer):
             shard.buffer = None  # the reduce-scatter holds it until it is done
         replicas = self.replicas_of.get(id(shard.comm))
         if replicas is None:
-            handle = shard.comm.reduce_scatter(flat, op="avg", async_op=True, algorithm="ring", label="grads")
+            handle = shard.comm.reduce_scatter(flat, async_op=True, algorithm="ring", label="grads")
         else:  # within the group, then across the groups: on the communication thread, in this order
             handle = shard.comm.submit(lambda: replicas.all_reduce(
-                shard.comm.reduce_scatter(flat, op="avg", algorithm="ring", label="grads"), op="avg", algorithm="ring",
-                label="grads"))
+                shard.comm.reduce_scatter(flat, algorithm="ring", label="grads"), algorithm="ring", label="grads"))
         shard.pending.append(handle)
         shard.filled = set()
         self.in_flight.append(handle)
@@ -289,9 +286,7 @@ class ZeRO(ReplicatedModel, Optimizer):
                 self._launch(shard)
         for shard in self.shards:
             for handle in shard.pending:
-                chunk = handle.wait()
-                if shard.bucket.scale != 1.0:
-                    chunk *= shard.bucket.scale
+                chunk = rounded_to(handle.wait(), shard.bucket.dtype)
                 shard.grad = chunk if shard.grad is None else shard.grad + chunk
             if self.stage == 1 and shard.buffer is not None:  # the reduced slice in place of the local one
                 shard.buffer[shard.lo:shard.hi] = shard.grad
