@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-REDUCE_OPS = {"sum": np.add, "avg": np.add, "max": np.maximum}
+REDUCE_OPS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
 
 
 class WireCodec:
@@ -251,15 +251,15 @@ def recursive_doubling_all_reduce(comm: Any, buf: np.ndarray, op: str, tag: int)
     remaining p' ranks run the rounds; the even ranks then receive the result (MPICH's scheme).
     Each participating rank sends log₂p'·n bytes (+n for the folded pairs).
 
-    Both partners of a round combine the lower ranks' partial with the higher ranks' partial, in that order, so
-    every rank ends with the same bits (NaN payloads and signed zeros too). Each round adds into the copy it just
-    received, not into the buffer it just sent: on shared
-    memory the partner has only now read those cache lines, and writing them back costs an
-    ownership transfer per line (2–4× the add's time, measured at 64 KiB). The partial result
-    alternates between ``buf`` and one scratch buffer; the last round writes into ``buf`` whichever holds
-    the partial, since a copy back from the scratch would write those lines too, and read n more bytes (p = 2,
-    AMD EPYC: 5–14% faster at 1–12 KiB and 48 KiB–1 MiB; 5–11% slower at 16–32 KiB, for a reason not pinned
-    down). T = (log₂p' + 2fold)(α + nβ) + (log₂p' + fold)·nγ.
+    The rule that gives every rank the same bits (NaN payloads, signed zeros, max/min of ±0 too): both partners of
+    a round compute op(lower ranks' partial, higher ranks' partial) — the same operands in the same order — into
+    a buffer that is neither operand. Order alone is not enough: numpy's in-place loops return different NaNs for
+    ``np.add(a, b, out=a)`` and ``np.add(a, b, out=b)``, and the partner whose own partial is the lower one would
+    write into its first operand while the other wrote into its second. Nor does a round write into the buffer it
+    just sent: on shared memory the partner has only now read those cache lines, and writing them back costs an
+    ownership transfer per line (2–4× the add's time, measured at 64 KiB). So the result alternates between two
+    scratch buffers, and the last round writes into ``buf`` (sent only in the first round); with one round (p' = 2)
+    the result is copied into ``buf``. T = (log₂p' + 2fold)(α + nβ) + (log₂p' + fold)·nγ (+ nγ copy at p' = 2).
     """
     p, r = comm.size, comm.rank
     reduce = REDUCE_OPS[op]
@@ -270,20 +270,26 @@ def recursive_doubling_all_reduce(comm: Any, buf: np.ndarray, op: str, tag: int)
         comm.recv(buf, r + 1, tag)
         _finish_avg(buf, op, p)
         return
-    partial, spare = buf, np.empty_like(buf)
+    incoming, scratch = np.empty_like(buf), [np.empty_like(buf)]
     if r < 2 * extra:
-        comm.recv(spare, r - 1, tag)
-        reduce(spare, buf, out=buf)  # buf was not sent: adding into it is cheap
-    mask = 1
+        comm.recv(incoming, r - 1, tag)
+        reduce(incoming, buf, out=buf)  # one rank computes the pair's sum: no partner to agree with
+    partial, mask = buf, 1
     while mask < pof2:
         partner = _real(v ^ mask, extra)
-        comm.sendrecv(partial, partner, spare, partner, tag)
-        # both partners compute op(lower ranks' partial, higher ranks' partial): the same bits on both — NaN
-        # payloads and signed zeros included, which op(own, received) would hand out differently
-        lower, higher = (spare, partial) if partner < r else (partial, spare)
+        comm.sendrecv(partial, partner, incoming, partner, tag)
+        lower, higher = (incoming, partial) if partner < r else (partial, incoming)
         mask <<= 1
-        reduce(lower, higher, out=buf if mask == pof2 else spare)  # the last round's result goes straight to buf
-        partial, spare = spare, partial
+        if mask == pof2 and partial is not buf:
+            result = buf
+        else:
+            if partial is scratch[0] and len(scratch) == 1:  # from the third round on (p' ≥ 8)
+                scratch.append(np.empty_like(buf))
+            result = scratch[1] if partial is scratch[0] else scratch[0]
+        reduce(lower, higher, out=result)  # the same operands, order and (non-)aliasing on both partners
+        partial = result
+    if partial is not buf:  # one round (p' = 2): the result is in scratch
+        buf[...] = partial
     if r < 2 * extra:
         comm.send(buf, r - 1, tag)
     _finish_avg(buf, op, p)
@@ -499,8 +505,8 @@ def hierarchical_all_reduce(node: Any, cross: Any, buf: np.ndarray, op: str, tag
     the slow links: T = 2(q−1)α_node + 2(q−1)/q·nβ_node + T_cross(n/q) + γ terms."""
     bounds = chunk_bounds(buf.size, node.size)
     mine = buf[bounds[node.rank]:bounds[node.rank + 1]]
-    ring_reduce_scatter(node, buf, "max" if op == "max" else "sum", tag, bounds)
-    cross_all_reduce(cross, mine, "max" if op == "max" else "sum", tag)
+    ring_reduce_scatter(node, buf, "sum" if op == "avg" else op, tag, bounds)
+    cross_all_reduce(cross, mine, "sum" if op == "avg" else op, tag)
     if op == "avg":
         mine /= p
     ring_all_gather(node, buf, tag, bounds)

@@ -349,7 +349,7 @@ class Communicator:
         """
         self._check_op(op, x)
         if wire is not None:
-            if not np.issubdtype(x.dtype, np.floating) or op == "max":
+            if not np.issubdtype(x.dtype, np.floating) or op not in ("sum", "avg"):
                 raise ValueError("a 16-bit wire format needs a float array and op 'sum' or 'avg'")
             codec = algo.WireCodec(wire)
             return self._collective("all_reduce", x, async_op, lambda buf, tag: algo.ring_all_reduce(self, buf, op, tag, codec),
