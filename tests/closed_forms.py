@@ -1,5 +1,6 @@
 """The papers' closed forms, written here apart from the code they check (no minipar imports): a test compares
 what minipar measures or simulates with these, never with minipar's own formula for the same thing."""
+import math
 
 
 def pipeline_bubble(kind: str, p: int, m: int, v: int = 1) -> float:
@@ -38,3 +39,10 @@ def all_reduce_bytes(algorithm: str, n: int, p: int, itemsize: int) -> int:
     if algorithm == "recursive_doubling" and p & (p - 1) == 0:
         return (p.bit_length() - 1) * n * itemsize
     raise ValueError(f"no closed form here for {algorithm} on p = {p}")
+
+
+def expert_capacity(factor: float, k: int, tokens: int, experts: int) -> int:
+    """Places per expert for a routing group of N tokens choosing k of E experts each (GShard, Lepikhin et al. 2020,
+    §2.2; Switch Transformer, Fedus et al. 2021, eq. 3): ⌈c·k·N/E⌉, rounded up so that c = 1 holds an even
+    split's every assignment, and at least one."""
+    return max(1, math.ceil(factor * k * tokens / experts))

@@ -12,6 +12,8 @@ from minipar.models.gpt import GPT, GPTConfig
 from minipar.models.moe import MoEMLP, route
 from minipar.testing import gradcheck
 
+from closed_forms import expert_capacity
+
 
 def test_route_capacity_and_priority():
     probs = np.array([[0.6, 0.3, 0.1], [0.5, 0.4, 0.1], [0.7, 0.1, 0.2], [0.2, 0.5, 0.3]])
@@ -58,12 +60,13 @@ def _use(moe, params):
     moe.router.weight, moe.c_fc.weight, moe.c_fc.bias, moe.c_proj.weight, moe.c_proj.bias = params
 
 
-@pytest.mark.parametrize("k,factor", [(1, 4.0), (2, 4.0), (2, 0.5), (3, 1.0)])
+@pytest.mark.parametrize("k,factor", [(1, 4.0), (2, 4.0), (2, 0.5), (3, 1.0), (2, 0.75), (1, 1.1)])
 def test_outputs_match_a_per_token_reference(k, factor):
+    """12 tokens, 4 experts: capacities 12, 24, 3, 9, ⌈4.5⌉ = 5 and ⌈3.3⌉ = 4 (closed_forms.expert_capacity)."""
     moe, params, x = _moe(4, 4, k, factor, seed=k)
     _use(moe, [Tensor(p) for p in params])
     y = moe(Tensor(x))
-    ref, aux = _reference(x.reshape(-1, 4), *params, k, moe.capacity(12))
+    ref, aux = _reference(x.reshape(-1, 4), *params, k, expert_capacity(factor, k, 12, 4))
     np.testing.assert_allclose(y.data.reshape(-1, 4), ref, rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(moe.aux_loss.item(), aux, rtol=1e-12)
     if factor >= 4.0:  # room for every assignment

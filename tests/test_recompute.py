@@ -15,17 +15,25 @@ from minipar.testing import assert_same_training, gradcheck, run_command, train_
 CFG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=16, dtype="float64")
 
 
-def _gradients(mode, dtype="float64"):
-    model = GPT(GPTConfig(**{**CFG.__dict__, "dtype": dtype}), seed=3).set_recompute(mode)
+# GPT-2's attention-scaling options (scale_attn_weights, scale_attn_by_inverse_layer_idx): q·kᵀ/√D, q·kᵀ/(√D·(i+1)),
+# unscaled, unscaled/(i+1) — a recomputation that rebuilt the probabilities with the default 1/√D trains wrongly
+SCALINGS = [(True, False), (True, True), (False, False), (False, True)]
+
+
+def _gradients(mode, dtype="float64", scaling=(True, False)):
+    weights, by_layer = scaling
+    model = GPT(GPTConfig(**{**CFG.__dict__, "dtype": dtype, "scale_attn_weights": weights,
+                             "scale_attn_by_inverse_layer_idx": by_layer}), seed=3).set_recompute(mode)
     x = np.random.default_rng(0).integers(0, 64, (3, 16))
     _, loss = model(x, x)
     loss.backward()
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}
 
 
+@pytest.mark.parametrize("scaling", SCALINGS)
 @pytest.mark.parametrize("mode", ["selective", "full"])
-def test_same_loss_and_gradients(mode):
-    (loss, grads), (ref_loss, ref) = _gradients(mode), _gradients("none")
+def test_same_loss_and_gradients(mode, scaling):
+    (loss, grads), (ref_loss, ref) = _gradients(mode, scaling=scaling), _gradients("none", scaling=scaling)
     assert loss == ref_loss
     for name, g in ref.items():
         np.testing.assert_allclose(grads[name], g, rtol=1e-12, atol=1e-15, err_msg=name)
@@ -133,6 +141,36 @@ MODEL = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "1
                                                "--schedule", "zb-h1"])])
 def test_training_matches(tmp_path, single, ranks, layout):
     assert_same_training(train_cli([*MODEL, *layout], ranks, str(tmp_path / "out")), single)
+
+
+@pytest.fixture(scope="module")
+def scaled_checkpoints(tmp_path_factory):
+    """A tiny GPT-2 checkpoint per attention-scaling option, with its one-process training run."""
+    runs = {}
+
+    def run(scaling):
+        if scaling not in runs:
+            folder = tmp_path_factory.mktemp("scaled")
+            cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=16, dtype="float64",
+                            scale_attn_weights=scaling[0], scale_attn_by_inverse_layer_idx=scaling[1])
+            GPT(cfg, seed=5).save_hf(str(folder / "hf"))
+            flags = ["--init-from", str(folder / "hf"), "--batch-size", "8", "--steps", "6", "--eval-interval", "0",
+                     "--json", "--lr", "3e-3", "--warmup", "2", "--dtype", "float64"]
+            runs[scaling] = flags, train_cli(flags, 1, str(folder / "single"))
+        return runs[scaling]
+    return run
+
+
+@pytest.mark.parametrize("scaling", SCALINGS[1:])
+@pytest.mark.parametrize("ranks,layout", [(1, ["--recompute", "selective"]),
+                                          (2, ["--recompute", "selective", "--tp", "2"]),
+                                          (2, ["--recompute", "full", "--tp", "2", "--sp"]),
+                                          (2, ["--recompute", "full", "--cp", "2"])])
+def test_training_matches_under_every_attention_scaling(tmp_path, scaled_checkpoints, scaling, ranks, layout):
+    """A checkpoint with scale_attn_by_inverse_layer_idx or scale_attn_weights=False (--init-from) trains under
+    recomputation, alone, with tp (+sp) and cp, as one process keeping everything does (float64, rtol 1e-9)."""
+    flags, single = scaled_checkpoints(scaling)
+    assert_same_training(train_cli([*flags, *layout], ranks, str(tmp_path / "out")), single)
 
 
 @pytest.mark.parametrize("ranks,args,message", [
