@@ -19,7 +19,7 @@ import numpy as np
 from minipar.models import config_from_dict
 from minipar.parallel.layout import Layout
 from minipar.parallel.tensor_parallel import merge_state_dicts
-from minipar.data import save_tokenizer
+from minipar.data import TOKENIZER_FILES, save_tokenizer
 from minipar.safetensors_io import atomic_write, decode_safetensors, encode_safetensors
 
 if TYPE_CHECKING:  # annotations only
@@ -71,11 +71,13 @@ class Checkpoint:
 
 def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]] | None, mesh: Any, config: Any,
                     layout: Layout, optimizer_step: int, training: dict[str, Any] | None = None,
-                    rank_state: dict[str, Any] | None = None) -> str:
+                    rank_state: dict[str, Any] | None = None, extra_files: tuple[str, ...] = ()) -> str:
     """Write this rank's share of a checkpoint (``state`` is None on ranks that hold duplicates); all ranks call.
 
     ``state`` maps each of STATE_KINDS to this rank's tensors by global parameter name; ``training`` holds
-    scalars every rank shares (rank 0's are written); ``rank_state`` what only this rank holds.
+    scalars every rank shares (rank 0's are written); ``rank_state`` what only this rank holds; ``extra_files``
+    names files rank 0 already wrote into the step's directory (the tokenizer's), checksummed in the manifest
+    like the shards.
     """
     world = mesh.world
     step_dir = step_path(root, step)
@@ -96,7 +98,8 @@ def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]
         manifest = {"format": CHECKPOINT_FORMAT, "step": step, "optimizer_step": optimizer_step,
                     "config": dataclasses.asdict(config),
                     "layout": layout.as_dict(), "world": world.size, "training": training or {},
-                    "files": records, "rank_files": rank_records}
+                    "files": records, "rank_files": rank_records,
+                    "extra_files": [_entry(os.path.join(step_dir, name)) for name in extra_files]}
         atomic_write(os.path.join(step_dir, "manifest.json"), [json.dumps(manifest, indent=1).encode()])
         atomic_write(os.path.join(root, "latest"), [f"step_{step:06d}\n".encode()])
     world.barrier()
@@ -116,14 +119,18 @@ def _write(step_dir: str, name: str, tensors: dict[str, np.ndarray], metadata: d
     """Write one safetensors file atomically; its manifest entry (name, size, sha256)."""
     chunks = encode_safetensors(tensors, metadata)
     atomic_write(os.path.join(step_dir, name), chunks)
-    digest = hashlib.sha256()
-    for chunk in chunks:
-        digest.update(chunk)
-    return {"file": name, "bytes": sum(len(c) for c in chunks), "sha256": digest.hexdigest()}
+    return _entry(os.path.join(step_dir, name))
 
 
-def _read_verified(file: str, entry: dict[str, Any]) -> dict[str, np.ndarray]:
-    """The tensors of a file the manifest lists, after checking its size and sha256."""
+def _entry(file: str) -> dict[str, Any]:
+    """A written file's manifest entry: its name, size and sha256."""
+    with open(file, "rb") as f:
+        blob = f.read()
+    return {"file": os.path.basename(file), "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+
+
+def _verified(file: str, entry: dict[str, Any]) -> bytes:
+    """The bytes of a file the manifest lists, after checking its size and sha256."""
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{file} is missing")
     with open(file, "rb") as f:
@@ -132,7 +139,12 @@ def _read_verified(file: str, entry: dict[str, Any]) -> dict[str, np.ndarray]:
         raise ValueError(f"{file} has {len(blob)} bytes, the manifest says {entry['bytes']} (truncated?)")
     if hashlib.sha256(blob).hexdigest() != entry["sha256"]:
         raise ValueError(f"{file} is corrupted (sha256 differs from the manifest)")
-    return decode_safetensors(blob, file)[0]
+    return blob
+
+
+def _read_verified(file: str, entry: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file the manifest lists, verified."""
+    return decode_safetensors(_verified(file, entry), file)[0]
 
 
 def step_dirs(root: str) -> list[str]:
@@ -206,6 +218,8 @@ def _load_step(step_dir: str) -> Checkpoint:
         raise ValueError(f"{manifest_path}: unreadable ({type(e).__name__}: {e})") from None
     by_position = {(entry["pp_rank"], entry["tp_rank"]): _read_verified(os.path.join(step_dir, entry["file"]), entry)
                    for entry in entries}
+    for entry in manifest.get("extra_files", []):  # the tokenizer: a damaged one would encode the data differently
+        _verified(os.path.join(step_dir, entry["file"]), entry)
     expected = {(p, t) for p in range(layout.pp) for t in range(layout.tp)}
     if set(by_position) != expected:
         raise FileNotFoundError(f"checkpoint {step_dir}: shards for {sorted(expected - set(by_position))} are missing")
@@ -285,9 +299,11 @@ def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any,
     """Save parameters and AdamW state in this layout (the first replica of each (pp, tp) slice writes them), the
     loss scaler's state, what only each rank holds (a compressor's error feedback; local SGD's replica), and the
     tokenizer files (``tokenizer``'s BPE, or bytes), so that a resumed run, generate and export encode alike."""
-    if mesh.world.rank == 0:  # before the manifest: a checkpoint that has one is complete
+    written: tuple[str, ...] = ()
+    if mesh.world.rank == 0:  # before the manifest, which checksums them: a checkpoint that has one is complete
         os.makedirs(step_path(args.save, step), exist_ok=True)
         save_tokenizer(step_path(args.save, step), model.config.vocab_size, model.config.block_size, tokenizer)
+        written = tuple(name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(step_path(args.save, step), name)))
     names = {id(p): n for n, p in model.named_parameters()}
     own = {**engine.rank_state(), **(local_sgd.export_state(optimizer, names) if local_sgd else {})}
     params = {**engine.gathered_state_dict(), **optimizer.master_state(names)}  # a 16-bit model's float32 masters
@@ -296,7 +312,8 @@ def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any,
              for kind, tensors in state.items()}
     state = state if mesh.grad_comm.rank == 0 else None
     saved = save_checkpoint(args.save, step, state, mesh, model.config, layout, optimizer.step_count,
-                            training={**lr_schedule(args), **(scaler.state() if scaler else {})}, rank_state=own)
+                            training={**lr_schedule(args), **(scaler.state() if scaler else {})}, rank_state=own,
+                            extra_files=written)
     if mesh.world.rank == 0:
         prune_checkpoints(args.save, args.keep_last)
     return saved

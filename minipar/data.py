@@ -20,6 +20,8 @@ import sysconfig
 import numpy as np
 import regex
 
+from minipar.safetensors_io import atomic_write
+
 
 # ------------------------------------------------------------------------------------ tokenizers
 
@@ -157,6 +159,9 @@ class BPETokenizer:
 
 
 
+TOKENIZER_FILES = ("vocab.json", "merges.txt", "tokenizer_config.json")  # what save_tokenizer writes
+
+
 def save_tokenizer(directory: str, vocab_size: int, block_size: int, source: str | None = None) -> int | None:
     """Write a model's tokenizer beside its weights as transformers' GPT-2 tokenizer files (vocab.json, merges.txt,
     tokenizer_config.json), so that ``AutoTokenizer`` loads it and encodes as minipar does; returns the id of
@@ -173,14 +178,11 @@ def save_tokenizer(directory: str, vocab_size: int, block_size: int, source: str
     else:
         return None
     special = END_OF_TEXT if END_OF_TEXT in vocab else None
-    files = {"vocab.json": json.dumps(vocab, ensure_ascii=False),
-             "merges.txt": "\n".join(["#version: 0.2", *merges]) + "\n",
-             "tokenizer_config.json": json.dumps({"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False,
-                                                  "bos_token": special, "eos_token": special, "unk_token": special,
-                                                  "model_max_length": block_size}, indent=2)}
-    for name, text in files.items():
-        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
-            f.write(text)
+    texts = (json.dumps(vocab, ensure_ascii=False), "\n".join(["#version: 0.2", *merges]) + "\n",
+             json.dumps({"tokenizer_class": "GPT2Tokenizer", "add_prefix_space": False, "bos_token": special,
+                         "eos_token": special, "unk_token": special, "model_max_length": block_size}, indent=2))
+    for name, text in zip(TOKENIZER_FILES, texts):
+        atomic_write(os.path.join(directory, name), [text.encode("utf-8")])
     return vocab[special] if special else None
 
 

@@ -1,6 +1,7 @@
 """Sharded checkpoints: kill and resume continues the identical loss trajectory; a checkpoint saved
 in one layout resumes in another; export to Hugging Face from any layout; damaged checkpoints fail
 clearly before training starts."""
+import hashlib
 import json
 import shutil
 import os
@@ -104,6 +105,10 @@ def _damage(step_dir, how):
         open(shard, "wb").write(blob[:-10])
     elif how == "interrupted":
         os.remove(os.path.join(step_dir, "manifest.json"))
+    elif how == "tokenizer":  # one byte of the vocabulary changed: the data would encode differently
+        vocab = os.path.join(step_dir, "vocab.json")
+        text = open(vocab, encoding="utf-8").read()
+        open(vocab, "w", encoding="utf-8").write(text.replace('": 97', '": 98', 1))
 
 
 @pytest.mark.parametrize("how,message", [("missing", "step_000005/pp0-tp1.safetensors is missing"),
@@ -120,7 +125,7 @@ def test_damaged_step_is_one_clear_error(saved_dp2_tp2, tmp_path, how, message):
     assert str(err.value).count(message) == 1 and "Traceback" not in str(err.value) and "exit 2" in str(err.value)
 
 
-@pytest.mark.parametrize("how", ["interrupted", "corrupted", "unreadable-manifest"])
+@pytest.mark.parametrize("how", ["interrupted", "corrupted", "unreadable-manifest", "tokenizer"])
 def test_damaged_newest_checkpoint_falls_back(saved_dp2_tp2, tmp_path, how):
     """Resuming from a --save directory skips a damaged newest step, says so, and takes the last complete one."""
     copy = tmp_path / "c"
@@ -134,6 +139,8 @@ def test_damaged_newest_checkpoint_falls_back(saved_dp2_tp2, tmp_path, how):
     assert loaded.step == 5 and len(loaded.skipped) == 1 and "step_000010" in loaded.skipped[0]
     if how == "unreadable-manifest":
         assert "step_000010/manifest.json: unreadable (JSONDecodeError" in loaded.skipped[0]
+    if how == "tokenizer":
+        assert "step_000010/vocab.json is corrupted (sha256 differs from the manifest)" in loaded.skipped[0]
     out = run_command(2, launch(1, ["--dp", "2", "--steps", "6", "--resume", str(copy)]), timeout=60)
     assert "skipped damaged checkpoint" in out and "resumed from" in out and "step_000005" in out
 
@@ -157,6 +164,11 @@ def test_latest_points_at_a_complete_step(saved_dp2_tp2):
 
     assert manifest["layout"] == Layout(dp=2, tp=2, zero=1).as_dict()  # the whole layout it was written under
     assert sorted(f["file"] for f in manifest["files"]) == ["pp0-tp0.safetensors", "pp0-tp1.safetensors"]
+    tokenizer = {f["file"]: f for f in manifest["extra_files"]}  # the byte tokenizer's files, checksummed too
+    assert sorted(tokenizer) == ["merges.txt", "tokenizer_config.json", "vocab.json"]
+    for name, entry in tokenizer.items():
+        blob = open(root / "step_000010" / name, "rb").read()
+        assert entry == {"file": name, "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
     assert not [f for f in os.listdir(root / "step_000010") if ".tmp-" in f]
 
 
@@ -211,7 +223,8 @@ STATEFUL = [(1, ["--dtype", "float32", "--precision", "fp16-mixed", "--n-embd", 
             (2, ["--dp", "2", "--compression", "topk", "--topk-ratio", "0.05"]),
             (2, ["--dp", "2", "--compression", "int8"]), (2, ["--dp", "2", "--compression", "bf16"]),
             (2, ["--dp", "2", "--compression", "powersgd", "--powersgd-rank", "2"]),
-            (2, ["--dp", "2", "--dtype", "float32", "--precision", "fp16-mixed", "--compression", "powersgd"]),
+            (2, ["--dp", "2", "--dtype", "float32", "--precision", "fp16-mixed", "--compression", "powersgd",
+                 "--loss-scale", str(2.0**24)]),
             (2, ["--dp", "2", "--local-sgd", "4"]), (3, ["--dp", "3", "--batch-size", "6", "--local-sgd", "2", "--staleness", "1"]),
             (2, ["--dp", "2", "--dtype", "float32", "--precision", "bf16-mixed", "--local-sgd", "4"])]
 
@@ -229,8 +242,9 @@ def test_resume_restores_every_state_bit_for_bit(tmp_path, ranks, extra):
     resumed = train(ranks, ["--steps", "12", "--resume", str(save), *extra])
     assert resumed == {step: whole[step] for step in range(7, 13)}
     ckpt = load_checkpoint(str(save))
-    if "fp16-mixed" in extra:
-        assert ckpt.training["loss_scale"] < 2.0**16  # an overflow backed it off before the save
+    if "fp16-mixed" in extra:  # an overflow backed the scale off before the save
+        assert ckpt.training["loss_scale"] < (float(extra[extra.index("--loss-scale") + 1]) if "--loss-scale" in extra
+                                              else 2.0**16)
     if "topk" in extra or "powersgd" in extra or "--local-sgd" in extra:
         assert sorted(ckpt.rank_files) == list(range(ranks))
         states = [ckpt.rank_state(r) for r in range(ranks)]
