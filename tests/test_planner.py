@@ -375,3 +375,38 @@ def test_the_planners_parameters_per_rank_are_the_engines(arch, tp):
     cfg = config_from_dict(dict(vocab_size=50, block_size=16, n_layer=2, n_head=8, n_embd=32, **extra))
     held = sum(v.size for v in shard_state_dict(build_model(cfg).state_dict(), cfg, tp, 0).values())
     assert planner.local_parameter_groups(cfg, planner.Layout(1, tp, 1, 0, 1))[0][0] == held
+
+
+@pytest.mark.parametrize("ranks,flags", [
+    (2, ["--dp", "2", "--zero", "2", "--microbatches", "2"]),
+    (2, ["--dp", "2", "--zero", "3", "--microbatches", "3"]),
+    (2, ["--dp", "2", "--zero", "3", "--microbatches", "2", "--recompute", "full"]),
+    (2, ["--dp", "2", "--zero", "1", "--microbatches", "2"]),
+    (2, ["--dp", "2", "--microbatches", "2"]),
+    (4, ["--dp", "4", "--zero", "2", "--microbatches", "2", "--shard-group", "2"]),
+])
+def test_the_planners_data_parallel_bytes_are_a_runs(ranks, flags):
+    """The planner's bytes per step for gradients and parameters equal what a run's byte report counts (rank 0's
+    "grads" + "params"): ZeRO-2/3 reduce-scatter after every microbatch (the engines keep no full gradient to
+    accumulate), ZeRO-3 gathers every microbatch's forward and backward (a recomputed forward inside the backward's
+    gather); DP and ZeRO-1 reduce once. Every group's size is divisible by 4 here (C = 16), so rank 0's ring chunks are the mean's."""
+    from minipar.testing import train_cli
+
+    model = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "24",
+             "--steps", "2", "--eval-interval", "0", "--json", "--dtype", "float64"]
+    records, _ = train_cli([*model, *flags], ranks)
+    args = planner_args(flags)
+    cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    layout = planner.Layout(dp=args["dp"], zero=args.get("zero", 0), microbatches=args["microbatches"],
+                            recompute=args.get("recompute", "none"), shard_group=args.get("shard_group", 0))
+    expected = planner.data_parallel_bytes(cfg, layout, 8)
+    reductions, gathers = planner.data_parallel_passes(layout)
+    assert (reductions, gathers) == {0: (1, 1), 1: (1, 1), 2: (layout.microbatches, 1),  # written out per stage
+                                     3: (layout.microbatches, 2 * layout.microbatches)}[layout.zero]
+    assert [r["comm_bytes"] for r in records] == [expected] * 2
+
+
+def planner_args(flags):
+    """--name value pairs as {name: int or str}."""
+    pairs = dict(zip(flags[::2], flags[1::2]))
+    return {k[2:].replace("-", "_"): int(v) if v.isdigit() else v for k, v in pairs.items()}

@@ -17,11 +17,12 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
               (p−1)/(3m+p−1), DualPipeV (p−1)/(6m+p−1)): m·slot/(1 − f); per microbatch and chunk boundary
               (v = 2 for DualPipeV's V) one activation
               forward, one gradient back: 2v(α + t·C·itemsize·β) (÷tp with ``p2p_split``)
-    data      ring all-reduce of the rank's Ψ_l = Ψ_stage/tp parameters, 2(dp−1)/dp·Ψ_l·itemsize·β, of
-              which ``overlap`` hides behind backward (hybrid sharding over K: the ring within K ranks,
-              then an all-reduce of Ψ_l/K across the dp/K groups); ZeRO-3 all-gathers Ψ_l per microbatch
-              forward and backward (and in the recomputed forward), prefetched: exposed is what compute
-              (× ``overlap``) cannot hide, at least one unit's gather; + the AdamW pass
+    data      ring reduce-scatter + all-gather of the rank's Ψ_l = Ψ_stage/tp parameters, (dp−1)/dp·Ψ_l·itemsize·β
+              each, of which ``overlap`` hides behind backward (hybrid sharding over K: the ring within K ranks,
+              then an all-reduce of Ψ_l/K across the dp/K groups); ZeRO-2/3 reduce-scatter after each of the m
+              microbatches (:func:`data_parallel_passes`); ZeRO-3 all-gathers Ψ_l per microbatch forward and
+              backward, prefetched: exposed is what compute (× ``overlap``) cannot hide, at least one unit's
+              gather; + the AdamW pass
     context   cp ranks split each sequence: per rank t/cp tokens and 1/cp of the attention FLOPs (zigzag
               balances the causal work). Ring: per layer and microbatch cp−1 exchanges of K|V
               (2·t·C/(cp·tp) values) forward, each hidden behind the attention of the block in hand
@@ -211,16 +212,19 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     pipeline_time = m * microbatch / (1 - pipeline.bubble()) if pp > 1 else m * microbatch
 
     replicas = dp * cp  # gradients reduce, and ZeRO shards, over dp×cp (experts: over dp×cp/ep)
-    dp_comm = optimizer_words = 0.0
+    reductions, gathers = data_parallel_passes(layout)
+    reduce_time = gather_time = optimizer_words = 0.0
     for psi, group, shards in local_parameter_groups(cfg, layout):  # hybrid: RS/AG within K, all-reduce of Ψ/K across
-        dp_comm += _ring_all_reduce(psi * itemsize, shards, profile.link(shards, shards * tp))
-        dp_comm += _ring_all_reduce(psi / shards * itemsize, group // shards, profile.link(group // shards, replicas * tp))
+        half = _ring_all_reduce(psi * itemsize, shards, profile.link(shards, shards * tp)) / 2  # one RS or one AG
+        across = _ring_all_reduce(psi / shards * itemsize, group // shards, profile.link(group // shards, replicas * tp))
+        reduce_time += reductions * (half + across)
+        gather_time += gathers * half
         optimizer_words += 7 * 4 * psi / (shards if layout.zero else 1)
-    exposed_dp = dp_comm * (1 - profile.overlap)
-    if layout.zero == 3:  # the reduce-scatter as above; the all-gathers (forward, backward, recomputed forward) of
-        gathers = m * (3 if recompute == "full" else 2) * dp_comm / 2  # each microbatch, prefetched one unit ahead:
-        units = math.ceil(L / pp) + 1                                    # hidden behind compute, but the first
-        exposed_dp = dp_comm / 2 * (1 - profile.overlap) + max(gathers / units, gathers - profile.overlap * m * stage_compute)
+    exposed_dp = (reduce_time + gather_time) * (1 - profile.overlap)
+    if layout.zero == 3:  # each microbatch's gathers are prefetched one unit ahead: hidden behind compute, but the first
+        units = math.ceil(L / pp) + 1
+        exposed_dp = reduce_time * (1 - profile.overlap) + max(gather_time / units,
+                                                               gather_time - profile.overlap * m * stage_compute)
     optimizer = optimizer_words / profile.bandwidth * share
     step = pipeline_time + exposed_dp + optimizer
 
@@ -244,6 +248,32 @@ def expert_time(cfg: Any, layout: Layout, token_bytes: float, link: Link) -> flo
         return 0.0
     all_to_all = lambda n: (ep - 1) * link.alpha + (ep - 1) / ep * n * link.beta  # noqa: E731
     return all_to_all(8 * cfg.n_expert) + 4 * all_to_all(cfg.expert_top_k * token_bytes)
+
+
+def data_parallel_passes(layout: Layout) -> tuple[int, int]:
+    """(reduce-scatters, all-gathers) of a rank's parameters per step over its data-parallel replicas, as the engines
+    run them (an all-reduce is one of each): DP and ZeRO-1 reduce once — accumulating the microbatches' gradients
+    locally under no_sync — and ZeRO-1/2 gather the updated parameters once; ZeRO-2/3 reduce-scatter after every
+    microbatch's backward (m times: they keep no full gradient to accumulate into); ZeRO-3 gathers every unit in
+    each microbatch's forward and backward (a fully recomputed forward runs inside the backward's gather)."""
+    m = layout.microbatches
+    if layout.zero == 3:
+        return m, 2 * m
+    return (m if layout.zero == 2 else 1), 1
+
+
+def data_parallel_bytes(cfg: Any, layout: Layout, itemsize: int) -> float:
+    """Bytes a rank sends per step for gradients and parameters over its data-parallel replicas (ring: (p−1)/p·n per
+    reduce-scatter or all-gather of n, the mean over the ranks): :func:`data_parallel_passes` of each replica group of
+    :func:`local_parameter_groups`, with hybrid sharding's all-reduce of the shard across the groups after each
+    reduce-scatter."""
+    reductions, gathers = data_parallel_passes(layout)
+    total = 0.0
+    for psi, group, shards in local_parameter_groups(cfg, layout):
+        within = (shards - 1) / shards * psi
+        across = 2 * (group // shards - 1) / (group // shards) * psi / shards
+        total += reductions * (within + across) + gathers * within
+    return total * itemsize
 
 
 def local_parameter_groups(cfg: Any, layout: Layout) -> list[tuple[float, int, int]]:
