@@ -60,6 +60,8 @@ def _layer_across_ranks(n_expert, top_k, factor):
     from minipar.models.moe import MoEMLP, route
     from minipar.parallel.expert_parallel import expert_parallel
 
+    from closed_forms import expert_capacity
+
     comm = Communicator()
     ep, rank, width = comm.size, comm.rank, 6
     rng = np.random.default_rng(0)
@@ -82,8 +84,9 @@ def _layer_across_ranks(n_expert, top_k, factor):
         outputs.append(y.data)
         probs = x.reshape(-1, width) @ values[0]
         probs = np.exp(probs - probs.max(1, keepdims=True))
-        _, slot, _ = route(probs / probs.sum(1, keepdims=True), top_k, reference.capacity(10))
-        loads.append(np.bincount(slot[slot >= 0] // reference.capacity(10), minlength=n_expert))
+        capacity = expert_capacity(factor, top_k, 10, n_expert)
+        _, slot, _ = route(probs / probs.sum(1, keepdims=True), top_k, capacity)
+        loads.append(np.bincount(slot[slot >= 0] // capacity, minlength=n_expert))
     parallel = layer()
     expert_parallel(parallel, comm)
     x = Tensor(inputs[rank], requires_grad=True)
@@ -133,12 +136,15 @@ CASES = ([(capacity, ep, dp, []) for capacity in (4.0, 0.5) for ep, dp in ((2, 2
                                                         (2, 4, ["--zero", "2"]), (2, 2, ["--zero", "3"]),
                                                         (2, 2, ["--zero", "3", "--tp", "2"]),
                                                         (2, 4, ["--zero", "3", "--shard-group", "2"]),
-                                                        (2, 4, ["--zero", "1", "--shard-group", "2"]))])
+                                                        (2, 4, ["--zero", "1", "--shard-group", "2"]),
+                                                        (2, 2, ["--recompute", "full"]),
+                                                        (2, 2, ["--zero", "3", "--recompute", "full"]))])
 
 
 @pytest.mark.parametrize("capacity,ep,dp,extra", CASES)
 def test_matches_single_process(tmp_path, singles, capacity, ep, dp, extra):
-    """capacity 4: nothing drops; 0.5: tokens drop (identically in both runs)."""
+    """capacity 4: nothing drops; 0.5: tokens drop (identically in both runs). Each layer's exchanges send what
+    the rows say; a fully recomputed layer exchanges its counts and rows once more, as "ep_recompute"."""
     tp = int(extra[extra.index("--tp") + 1]) if "--tp" in extra else 1
     result = train([*model(capacity), "--dp", str(dp), "--ep", str(ep), *extra], dp * tp, tmp_path, "ep")
     reference = singles(capacity, dp)
@@ -151,6 +157,8 @@ def test_matches_single_process(tmp_path, singles, capacity, ep, dp, extra):
         assert counted["ep_counts"] == L * (ep - 1) * (E // ep) * 8
         assert counted["ep_forward"] == counted["ep_backward"] == (moe["rows_out"] + moe["rows_in"]) * C * 8
         assert moe["rows_out"] > 0 and moe["rows_in"] > 0
+        again = L * (ep - 1) * (E // ep) * 8 + (moe["rows_out"] + moe["rows_in"]) * C * 8 if "full" in extra else 0
+        assert counted.get("ep_recompute", 0) == again
 
 
 @pytest.mark.parametrize("dp,ep,extra", [(1, 1, []), (1, 1, ["--schedule", "zb-h1"]), (2, 2, ["--zero", "1"]),

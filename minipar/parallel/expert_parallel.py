@@ -17,6 +17,9 @@ Its kept assignments fill slots 0 … load[e] − 1 of each expert e. One MoE la
                  (E, capacity, C) slots the single-process layer fills
     backward     the conjugate pair, each exchange reversed: the outputs' gradients go to the owners
                  (R_out rows), the inputs' gradients back to the sources (R_in rows)
+    recomputed   under --recompute full the backward first runs the layer's forward again: counts, dispatch and
+                 combine once more (the same rows: the routing is the same), labelled "ep_recompute" — keeping
+                 the dispatched rows instead would keep the activations recomputation exists to drop
 
 so a layer sends (ep−1)·E/ep·8 + 2·(R_out + R_in)·C·itemsize bytes per microbatch and rank
 (:func:`bytes_per_layer`). Every row is computed by the same expert weights on the same values
@@ -26,7 +29,7 @@ batch — so outputs, the balancing loss and all gradients are those of single-p
 
 Gradients: an expert's weight gradient on its owner sums the ep ranks' token contributions; the
 dense parameters are replicated over all dp·cp replicas and the experts only over the dp·cp/ep ranks with
-the same ep rank (mesh.expert_grad_comm), so data_parallel.replica_groups averages each where it
+the same ep rank (mesh.expert_grad_comm), so data_parallel.replica_groups sums each where it
 lives. For the global gradient norm (summed over ep ranks like over tp ranks) a dense parameter's
 squares count 1/ep on each ep rank (its placement: minipar/placement.py).
 
@@ -72,10 +75,10 @@ class AllToAllRows(Function):
     autocast = False  # moves data: keeps its dtype (16-bit messages under mixed precision)
 
     @staticmethod
-    def forward(ctx: Context, x: Any, send: list[int], recv: list[int], comm: Communicator) -> Any:
+    def forward(ctx: Context, x: Any, send: list[int], recv: list[int], comm: Communicator, label: str) -> Any:
         ctx.send, ctx.recv, ctx.comm, width = send, recv, comm, x.shape[1]
         out = comm.all_to_all_v(xp.ascontiguousarray(x), [n * width for n in send], [n * width for n in recv],
-                                label="ep_forward")
+                                label=label)
         return out.reshape(-1, width)
 
     @staticmethod
@@ -83,7 +86,7 @@ class AllToAllRows(Function):
         width = g.shape[1]
         back = ctx.comm.all_to_all_v(xp.ascontiguousarray(g), [n * width for n in ctx.recv],
                                      [n * width for n in ctx.send], label="ep_backward")
-        return back.reshape(-1, width), None, None, None
+        return back.reshape(-1, width), None, None, None, None
 
 
 def dispatch_to_owners(mlp: MoEMLP, comm: Communicator, padded: Tensor, tokens: np.ndarray, load: np.ndarray) -> Tensor:
@@ -91,14 +94,17 @@ def dispatch_to_owners(mlp: MoEMLP, comm: Communicator, padded: Tensor, tokens: 
     E, cap = tokens.shape
     ep, local = comm.size, E // comm.size
     C = padded.shape[1]
+    again = ops.recomputing()  # a recomputed forward: the same exchanges once more, reported apart
     # 1. counts: counts[s, e] rows from source s for local expert e
-    counts = comm.all_to_all(np.ascontiguousarray(load, np.int64), algorithm="pairwise", label="ep_counts")
+    counts = comm.all_to_all(np.ascontiguousarray(load, np.int64), algorithm="pairwise",
+                             label="ep_recompute" if again else "ep_counts")
     counts = counts.reshape(ep, local)
     send = load.reshape(ep, local).sum(axis=1).tolist()
     recv = counts.sum(axis=1).tolist()
     # 2. dispatch the kept rows in (owner, expert, slot) order
     order = np.concatenate([tokens[e, :load[e]] for e in range(E)])
-    arrived = AllToAllRows.apply(padded[to_device(order)], send, recv, comm)  # (Σ recv, C), by source, expert, slot
+    label = "ep_recompute" if again else "ep_forward"
+    arrived = AllToAllRows.apply(padded[to_device(order)], send, recv, comm, label)  # (Σ recv, C): source, expert, slot
     # 3. local experts on (local, W, C): expert e's rows from source s at [start[e, s], start[e, s] + counts[s, e])
     per_expert = counts.sum(axis=0)
     width = int(per_expert.max()) if local else 0
@@ -117,19 +123,23 @@ def dispatch_to_owners(mlp: MoEMLP, comm: Communicator, padded: Tensor, tokens: 
     expert_in = ops.concat([arrived, zero], axis=0)[to_device(gather)].reshape(local, width, C)
     expert_out = mlp.experts(expert_in).reshape(local * width, C)
     # 4. combine: the outputs back to their sources, then into their (E, capacity) slots
-    returned = AllToAllRows.apply(expert_out[to_device(back)], recv, send, comm)  # (Σ send, C), in `order`'s order
+    returned = AllToAllRows.apply(expert_out[to_device(back)], recv, send, comm, label)  # (Σ send, C): `order`'s order
     slots = np.full(E * cap, len(order), np.int64)
     slots[np.concatenate([e * cap + np.arange(load[e]) for e in range(E)])] = np.arange(len(order))
     me = comm.rank
-    mlp.tally["rows_out"] = mlp.tally.get("rows_out", 0) + sum(send) - send[me]
-    mlp.tally["rows_in"] = mlp.tally.get("rows_in", 0) + sum(recv) - recv[me]
+    if not again:  # counted once per microbatch, like the routing
+        mlp.tally["rows_out"] = mlp.tally.get("rows_out", 0) + sum(send) - send[me]
+        mlp.tally["rows_in"] = mlp.tally.get("rows_in", 0) + sum(recv) - recv[me]
     return ops.concat([returned, zero], axis=0)[to_device(slots)].reshape(E, cap, C)
 
 
-def bytes_per_layer(rows_out: int, rows_in: int, n_expert: int, ep: int, width: int, itemsize: int) -> dict[str, int]:
-    """What one MoE layer's exchanges send from one rank per microbatch, by label (the module docstring)."""
-    return {"ep_counts": (ep - 1) * (n_expert // ep) * 8, "ep_forward": (rows_out + rows_in) * width * itemsize,
-            "ep_backward": (rows_in + rows_out) * width * itemsize}
+def bytes_per_layer(rows_out: int, rows_in: int, n_expert: int, ep: int, width: int, itemsize: int,
+                    recomputed: bool = False) -> dict[str, int]:
+    """What one MoE layer's exchanges send from one rank per microbatch, by label (the module docstring); with
+    ``recomputed`` (full recomputation) the forward's counts and rows once more."""
+    counts, rows = (ep - 1) * (n_expert // ep) * 8, (rows_out + rows_in) * width * itemsize
+    return {"ep_counts": counts, "ep_forward": rows, "ep_backward": rows,
+            **({"ep_recompute": counts + rows} if recomputed else {})}
 
 
 def moe_layers(model: Module) -> list[MoEMLP]:
