@@ -4,6 +4,7 @@ data and expert parallelism.
 
     python benchmarks/moe.py                       # 4 ranks: dense dp4; E = 4 and 8 with ep = 1, 2, 4
     python benchmarks/moe.py --ranks 2 --steps 8
+    python benchmarks/moe.py --gates               # the gate gather's backward: add.at against grouped rows
 
 Each row is one ``python -m minipar train --json`` run under ``mpiexec -n RANKS`` (GPT L=2 H=4 C=128 T=64,
 batch 16, float32, capacity factor 1.25); figures are medians over the steps after the first. "ep MB" counts
@@ -15,8 +16,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import time
+
+import numpy as np
+
+from minipar.autograd import Context
 
 from minipar.models.gpt import GPTConfig
+from minipar.ops import GetItem
 from minipar.testing import train_cli
 
 L, H, C, T, B = 2, 4, 128, 64, 16
@@ -31,12 +38,42 @@ def run(ranks: int, n_expert: int, ep: int, steps: int) -> list[dict]:
     return train_cli(args, ranks, timeout=900)[0][1:]
 
 
+def gate_gather(tokens: int, n_expert: int, k: int, repeat: int = 50) -> tuple[float, float]:
+    """Best-of-``repeat`` ms of the backward of the MoE gates probs[rows, chosen] (N tokens, E experts, top-k): numpy's
+    add.at with the tuple index (what GetItem's backward did before) and GetItem's backward now (a flat index)."""
+    rng = np.random.default_rng(0)
+    rows = np.arange(tokens)[:, None]
+    chosen = np.argsort(-rng.random((tokens, n_expert)), axis=1)[:, :k]
+    g = rng.standard_normal((tokens, k)).astype(np.float32)
+    ctx = Context()
+    GetItem.forward(ctx, np.zeros((tokens, n_expert), np.float32), (rows, chosen))
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times) * 1e3
+
+    def add_at() -> None:
+        np.add.at(np.zeros((tokens, n_expert), np.float32), (rows, chosen), g)
+    return best(add_at), best(lambda: GetItem.backward(ctx, g))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--experts", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--gates", action="store_true", help="time the gate gather's backward only")
     args = ap.parse_args()
+    if args.gates:
+        print(f"{'tokens':>8}{'E':>5}{'k':>3}{'add.at ms':>11}{'GetItem ms':>12}")
+        for tokens, n_expert, k in ((1024, 8, 2), (16384, 16, 4), (65536, 64, 8)):
+            before, now = gate_gather(tokens, n_expert, k)
+            print(f"{tokens:>8}{n_expert:>5}{k:>3}{before:>11.3f}{now:>12.3f}", flush=True)
+        return
     print(f"{'model':<22}{'params':>10}{'active/token':>13}{'step ms':>9}{'ep MB':>8}{'dp MB':>8}{'state MB':>10}"
           f"{'dropped':>9}")
     configs = [(0, 1)] + [(E, ep) for E in args.experts for ep in (1, 2, 4, 8)

@@ -127,6 +127,24 @@ def test_embedding_gradient_is_add_at_bit_for_bit(tokens):
     assert np.array_equal(rows.grad, expected) and np.array_equal(np.signbit(rows.grad), np.signbit(expected))
 
 
+@pytest.mark.parametrize("trailing", [(), (3,)])
+def test_tuple_index_gradient_is_add_at_bit_for_bit(trailing):
+    """a[rows, cols] with integer arrays (the MoE gates probs[rows, chosen], broadcast (N, 1) against (N, k)):
+    the backward adds g where a pair repeats, in input order — add.at's bits (the independent oracle), signed zeros,
+    negative indices, and trailing axes picked whole."""
+    rng = np.random.default_rng(1)
+    shape = (6, 5, *trailing)
+    rows = rng.integers(-6, 6, (40, 1))
+    cols = rng.integers(0, 5, (40, 3))
+    g = rng.standard_normal((40, 3, *trailing))
+    g[g < -1.5] = -0.0
+    a = Tensor(np.zeros(shape), requires_grad=True)
+    a[rows, cols].backward(g)
+    expected = np.zeros(shape)
+    np.add.at(expected, (rows, cols), g)
+    assert np.array_equal(a.grad, expected) and np.array_equal(np.signbit(a.grad), np.signbit(expected))
+
+
 @pytest.mark.parametrize("ignore", [False, True])
 def test_cross_entropy(ignore):
     targets = np.array([[1, 0, 3], [2, 2, 4]])
