@@ -30,6 +30,7 @@ from minipar.models.llama import LlamaConfig
 from minipar.parallel import planner
 from minipar.parallel.compression import COMPRESSIONS
 from minipar.parallel.context_parallel import KINDS as CP_KINDS
+from minipar.precision import RECIPES
 from minipar.parallel.context_parallel import SPLITS as CP_SPLITS
 from minipar.parallel.layout import Layout
 from minipar.parallel.schedules import SCHEDULES
@@ -90,7 +91,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     run.add_argument("--dtype", choices=["float32", "float64"], default="float32", help="parameters and activations")
     run.add_argument("--precision", choices=list(PRECISIONS), default="fp32",
                      help="bf16-mixed / fp16-mixed: 16-bit parameters, activations, gradients and messages, float32 "
-                          "master weights and Adam moments (fp16 with dynamic loss scaling); fp32: --dtype throughout")
+                          "master weights and Adam moments (fp16 with dynamic loss scaling); fp8: bf16-mixed with every "
+                          "block's Linear GEMMs on FP8 operands (--fp8-recipe); fp32: --dtype throughout")
+    run.add_argument("--fp8-recipe", choices=list(RECIPES), default="tensorwise",
+                     help="--precision fp8's scaling: tensorwise (a scale per tensor, e4m3/e5m2), rowwise (per row, "
+                          "powers of two), blockwise (DeepSeek-V3: 1x128 tiles, 128x128 weight blocks), mxfp8 (OCP MX: "
+                          "e8m0 scale per 32 values)")
+    run.add_argument("--fp8-block", type=int, default=None, metavar="N",
+                     help="--precision fp8: values per scale of blockwise (default 128) or mxfp8 (32)")
     run.add_argument("--loss-scale", type=float, default=2.0**16, help="fp16-mixed: the initial dynamic loss scale")
     run.add_argument("--reduce-dtype", choices=["auto", "float32"], default="auto",
                      help="data-parallel gradient reduction: auto = in the parameters' dtype (bfloat16 under "
@@ -208,7 +216,7 @@ def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
               f"{choice['memory_gb']:.3f} GB per rank ({profile.name})", flush=True)
 
 
-PRECISIONS = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16"}  # -> the model's storage dtype
+PRECISIONS = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "fp8": "bfloat16"}  # -> storage dtype
 
 
 def model_dtype(args: argparse.Namespace) -> str:
@@ -238,6 +246,8 @@ FLAG_FIELDS = {"n_kv_head": "kv_heads", "n_inner": "mlp_width", "tie_embeddings"
 # flags that only mean something in some mode: written without it, they are refused (name: (the mode, whether on))
 FLAG_NEEDS: dict[str, tuple[str, Any]] = {
     "loss_scale": ("--precision fp16-mixed", lambda a: a.precision == "fp16-mixed"),
+    "fp8_recipe": ("--precision fp8", lambda a: a.precision == "fp8"),
+    "fp8_block": ("--precision fp8", lambda a: a.precision == "fp8"),
     "expert_top_k": ("--n-expert", lambda a: a.n_expert > 0 or bool(a.resume)),
     "capacity_factor": ("--n-expert", lambda a: a.n_expert > 0 or bool(a.resume)),
     "aux_loss_coef": ("--n-expert", lambda a: a.n_expert > 0 or bool(a.resume)),

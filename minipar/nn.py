@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from minipar import ops
+from minipar import ops, precision
 from minipar.autograd import Tensor
 from minipar.backend import resolve_dtype, to_device, to_host, xp
 from minipar.placement import REPLICATED, Placement
@@ -135,7 +135,10 @@ class ModuleList(Module):
 
 
 class Linear(Module):
-    """y = x W + b, W of shape (in, out) as in GPT-2's Conv1D (zero-initialized; the model initializes)."""
+    """y = x W + b, W of shape (in, out) as in GPT-2's Conv1D (zero-initialized; the model initializes). With an
+    ``fp8`` recipe (precision.py) its three GEMMs take quantized operands."""
+
+    fp8: precision.Recipe | None = None
 
     def __init__(self, n_in: int, n_out: int, bias: bool = True, dtype: str = "float32"):
         dt = resolve_dtype(dtype)
@@ -143,6 +146,8 @@ class Linear(Module):
         self.bias = Parameter(xp.zeros(n_out, dtype=dt)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.fp8 is not None:
+            return precision.linear(x, self.weight, self.fp8, self.bias)
         return ops.linear(x, self.weight, self.bias)
 
 

@@ -120,7 +120,8 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     experts = f" E={cfg.n_expert} top-{cfg.expert_top_k}" if cfg.n_expert else ""
     progress.say(f"minipar: {cfg.display_name} {cfg.num_parameters():,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} "
                  f"T={block}{experts}), {len(tokens):,} tokens, batch {args.batch_size}×{block}, "
-                 f"{args.dtype if layout.precision == 'fp32' else layout.precision} on {args.device}, {layout}")
+                 f"{args.dtype if layout.precision == 'fp32' else layout.precision}"
+                 f"{f' {layout.fp8_recipe}' if layout.precision == 'fp8' else ''} on {args.device}, {layout}")
     if resumed is not None:
         for skipped in resumed.skipped:
             progress.note(f"skipped damaged checkpoint {skipped}")

@@ -12,7 +12,7 @@ from minipar.models.gpt import GPTConfig
 from minipar.parallel.layout import OPTIONS, TABLE_MODEL, combine
 from minipar.testing import assert_same_training, train_cli
 
-INEXACT = ("bf16-mixed", "fp16-mixed", "compression", "local SGD")
+INEXACT = ("bf16-mixed", "fp16-mixed", "fp8", "compression", "local SGD")
 EXACT = [option for option in OPTIONS if option[0] not in INEXACT]
 ACCEPTED = [(a[0], b[0], *pair) for i, a in enumerate(EXACT) for b in EXACT[i + 1:]
             if (pair := combine(a, b)) is not None and pair[0].accepts(GPTConfig(**TABLE_MODEL, **pair[1]),

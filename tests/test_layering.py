@@ -11,7 +11,7 @@ KERNELS = os.path.join(os.path.dirname(ROOT), "kernels")
 # each module's layer; a module may import only modules of its own layer or below
 LAYERS = [
     ["minipar.backend", "minipar.safetensors_io", "minipar.kernels"],
-    ["minipar.autograd", "minipar.ops", "minipar.comm", "minipar"],  # minipar: the package's __init__
+    ["minipar.autograd", "minipar.ops", "minipar.comm", "minipar.precision", "minipar"],  # minipar: the package's __init__
     ["minipar.nn", "minipar.placement", "minipar.trace", "minipar.data", "minipar.optim"],
     ["minipar.models"],
     ["minipar.parallel"],

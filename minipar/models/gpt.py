@@ -212,6 +212,15 @@ class GPT(Module):
                 block.attn.recompute_scores()
         return self
 
+    def set_fp8(self, recipe: Any) -> GPT:
+        """Every block's attention and dense-MLP Linear computes its GEMMs under the FP8 ``recipe`` (precision.py);
+        the embedding, the head, MoE routers and experts stay in bf16 (precision.KEPT_IN_BF16)."""
+        for block in self.transformer.h:
+            for linear in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+                if isinstance(linear, Linear):  # a MoE layer's experts are ExpertLinear: left alone
+                    linear.fp8 = recipe
+        return self
+
     def _init_weights(self, seed: int) -> None:
         rng = np.random.default_rng(seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)

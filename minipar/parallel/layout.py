@@ -32,6 +32,8 @@ import numpy as np
 from minipar.comm import Communicator
 from minipar.data import shard_rows
 from minipar.optim import AdamW, LossScaler
+from minipar.precision import Recipe
+from minipar.precision import recipe as fp8_recipe
 from minipar.parallel.compression import make_compressor
 from minipar.parallel.context_parallel import check_context_parallel, context_parallel, context_report, context_slice
 from minipar.parallel.data_parallel import DataParallel
@@ -63,7 +65,7 @@ class Layout:
     virtual_stages: int = 1
     shard_group: int = 0        # hybrid sharding: ZeRO shards within groups of this many replicas (0: all of them)
     cp_split: str = ""          # "zigzag" | "contiguous"; "" takes the kind's: zigzag for ring, contiguous for Ulysses
-    precision: str = "fp32"     # "fp32" | "bf16-mixed" | "fp16-mixed"
+    precision: str = "fp32"     # "fp32" | "bf16-mixed" | "fp16-mixed" | "fp8"
     compression: str = "none"
     local_sgd: int = 0          # H: average the replicas every H steps instead of the gradients every step
     # each mode's own options (read only when the mode is on)
@@ -74,6 +76,8 @@ class Layout:
     outer_lr: float = 0.7       # --local-sgd: DiLoCo's outer learning rate and Nesterov momentum
     outer_momentum: float = 0.9
     staleness: int = 0          # --local-sgd: each round's average applies this many rounds later
+    fp8_recipe: str = "tensorwise"  # --precision fp8: the scaling recipe (precision.py)
+    fp8_block: int = 0          # --precision fp8: values per scale (0: the recipe's own)
 
     def __post_init__(self) -> None:
         if not self.cp_split:
@@ -90,6 +94,8 @@ class Layout:
         for name in ("tp", "pp", "cp", "ep", "virtual_stages", "microbatches"):
             if getattr(args, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+        if args.fp8_block is not None and args.fp8_block <= 0:
+            raise ValueError(f"--fp8-block must be positive, got {args.fp8_block}")
         dp, others = args.dp, args.tp * args.pp * args.cp
         if dp is None:
             if world_size % others:
@@ -101,7 +107,8 @@ class Layout:
                    cp_split=args.cp_split or "", precision=args.precision, compression=args.compression,
                    local_sgd=args.local_sgd, prefetch=not args.no_prefetch, reduce_dtype=args.reduce_dtype,
                    topk_ratio=args.topk_ratio, powersgd_rank=args.powersgd_rank, outer_lr=args.outer_lr,
-                   outer_momentum=args.outer_momentum, staleness=args.staleness)
+                   outer_momentum=args.outer_momentum, staleness=args.staleness, fp8_recipe=args.fp8_recipe,
+                   fp8_block=args.fp8_block or 0)
 
     def validate(self, cfg: Any, batch_size: int, world_size: int | None = None) -> None:
         """Raise ValueError — one line naming the flags involved — if this layout cannot train ``cfg`` on a
@@ -136,6 +143,11 @@ class Layout:
         if self.local_sgd and (self.tp > 1 or self.pp > 1 or self.cp > 1 or self.zero or self.compression != "none"):
             raise ValueError("--local-sgd replaces the gradient all-reduce of plain data parallelism: use it with --dp "
                              "alone (no --tp/--pp/--cp/--zero/--compression)")
+        if self.precision == "fp8":
+            self.fp8()  # the recipe checks its name and block
+            if self.tp > 1 or self.cp > 1:
+                raise ValueError("--precision fp8 with --tp or --cp: their Linear layers hold a slice of a weight or of a "
+                                 "sequence, whose scales need the whole tensor's amax (an all-reduce not built yet)")
         check_tensor_parallel(cfg, self.tp, self.sp)
         check_expert_parallel(cfg, self.ep, self.dp * self.cp)
         if cfg.n_expert:
@@ -176,6 +188,10 @@ class Layout:
             return False
         return True
 
+    def fp8(self) -> Recipe:
+        """The FP8 recipe of ``--precision fp8`` (precision.py), with ``--fp8-block``."""
+        return fp8_recipe(self.fp8_recipe, self.fp8_block or None)
+
     def mesh(self, world: Communicator) -> Mesh:
         return Mesh(world, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep,
                     shard_group=self.shard_group or None)
@@ -189,6 +205,8 @@ class Layout:
         if self.ep > 1:
             model = expert_parallel(model, mesh.ep_comm)
         model.set_recompute(self.recompute)
+        if self.precision == "fp8":
+            model.set_fp8(self.fp8())
         return context_parallel(model, mesh.cp_comm, self.cp_kind, self.cp_split) if self.cp > 1 else model
 
     def engine(self, model: Any, mesh: Mesh, lr: float, weight_decay: float, bucket_mb: float
@@ -263,7 +281,9 @@ class Layout:
                 *(["--topk-ratio", str(self.topk_ratio)] if self.compression == "topk" else []),
                 *(["--powersgd-rank", str(self.powersgd_rank)] if self.compression == "powersgd" else []),
                 *(["--outer-lr", str(self.outer_lr), "--outer-momentum", str(self.outer_momentum), "--staleness",
-                   str(self.staleness)] if self.local_sgd else [])]
+                   str(self.staleness)] if self.local_sgd else []),
+                *(["--fp8-recipe", self.fp8_recipe, *(["--fp8-block", str(self.fp8_block)] if self.fp8_block else [])]
+                  if self.precision == "fp8" else [])]
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -299,6 +319,7 @@ OPTIONS: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
     ("recompute full", {"recompute": "full"}, {}),
     ("bf16-mixed", {"precision": "bf16-mixed"}, {}),
     ("fp16-mixed", {"precision": "fp16-mixed"}, {}),
+    ("fp8", {"precision": "fp8"}, {}),
     ("compression", {"dp": 2, "compression": "powersgd"}, {}),
     ("local SGD", {"dp": 2, "local_sgd": 4}, {}),
 )
