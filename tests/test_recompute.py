@@ -161,6 +161,7 @@ def scaled_checkpoints(tmp_path_factory):
     return run
 
 
+@pytest.mark.slow  # the fast subset has the unit-level check (test_same_loss_and_gradients) of every scaling
 @pytest.mark.parametrize("scaling", SCALINGS[1:])
 @pytest.mark.parametrize("ranks,layout", [(1, ["--recompute", "selective"]),
                                           (2, ["--recompute", "selective", "--tp", "2"]),
