@@ -18,8 +18,9 @@ setup(
         # matplotlib: the picture tests
         "test": ["pytest>=7", "pytest-timeout>=2.1", "triton>=3.2", "tokenizers>=0.15", "matplotlib>=3.5"],
         "gpu": ["cupy-cuda12x", "triton"],
-        # hf: tests/test_transformers.py compares minipar's GPT-2 with transformers' (torch's CPU build is enough)
-        "hf": ["transformers>=4.40", "torch", "tokenizers>=0.15"],
+        # hf: tests/test_transformers.py compares minipar's GPT-2 with transformers' (torch's CPU build is enough);
+        # torchao's float8 training (emulate=True runs on the CPU) is tests/test_precision.py's FP8 oracle
+        "hf": ["transformers>=4.40", "torch", "tokenizers>=0.15", "torchao>=0.10"],
         "plot": ["matplotlib>=3.5"],
     },
     entry_points={"console_scripts": ["minipar=minipar.__main__:main"]},

@@ -242,3 +242,43 @@ def test_bad_fp8_flags_are_refused_in_one_line(flags, message):
     with pytest.raises(AssertionError) as err:
         run_command(2, [sys.executable, "-m", "minipar", "train", *FP8_MODEL[:-2], *flags], timeout=60)
     assert str(err.value).count(message) == 1 and "exit 2" in str(err.value) and "Traceback" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
+def test_tensorwise_and_rowwise_are_torchaos_float8_training(name):
+    """torchao's Float8Linear with its recipe of that name, emulate=True (dequantize, float32 mm: its CPU path), on
+    the same x, W, dy: output, input gradient and weight gradient each within twice float32's accumulation error
+    of minipar's — two float32 sums of the same quantized products in different orders, 2·γ_K·(|A|·|B|) with A, B
+    minipar's dequantized operands. A scale that differed would move whole e4m3 steps (2^-4 relative), far past it."""
+    torch = pytest.importorskip("torch", reason='the FP8 oracle needs `pip install -e ".[hf]"` (torch, torchao)')
+    float8 = pytest.importorskip("torchao.float8", reason='the FP8 oracle needs `pip install -e ".[hf]"` (torchao)')
+    import dataclasses
+
+    rng = np.random.default_rng(0)
+    N, n_in, n_out = 64, 48, 32
+    x = rng.standard_normal((N, n_in)).astype(np.float32)
+    x[3] *= 50
+    w = (rng.standard_normal((n_in, n_out)) * 0.1).astype(np.float32)
+    g = (rng.standard_normal((N, n_out)) * 1e-3).astype(np.float32)
+    config = dataclasses.replace(float8.Float8LinearConfig.from_recipe_name(name), emulate=True)
+    layer = torch.nn.Sequential(torch.nn.Linear(n_in, n_out, bias=False))
+    with torch.no_grad():
+        layer[0].weight.copy_(torch.from_numpy(w.T.copy()))  # torch's (out, in)
+    float8.convert_to_float8_training(layer, config=config)
+    assert type(layer[0]).__name__ == "Float8Linear"
+    xt = torch.from_numpy(x.copy()).requires_grad_()
+    out = layer(xt)
+    out.backward(torch.from_numpy(g))
+    recipe = precision.recipe(name)
+    a, b = Tensor(x, requires_grad=True), Tensor(w, requires_grad=True)
+    mine = precision.linear(a, b, recipe)
+    mine.backward(g)
+    fq = precision.fake_quantize
+    u = 2.0**-24
+    for theirs, ours, (left, right) in (
+            (out.detach().numpy(), mine.data, (fq(x, recipe, "input", 1), fq(w, recipe, "weight", 0))),
+            (xt.grad.numpy(), a.grad, (fq(g, recipe, "grad", 1), fq(w, recipe, "weight", 1).T)),
+            (layer[0].weight.grad.numpy().T, b.grad, (fq(x, recipe, "input", 0).T, fq(g, recipe, "grad", 0)))):
+        k = left.shape[1]
+        bound = 2 * k * u / (1 - k * u) * (np.abs(left).astype(np.float64) @ np.abs(right))
+        assert np.all(np.abs(theirs.astype(np.float64) - ours) <= bound), np.max(np.abs(theirs - ours) / bound)
