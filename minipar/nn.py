@@ -139,6 +139,7 @@ class Linear(Module):
     ``fp8`` recipe (precision.py) its three GEMMs take quantized operands."""
 
     fp8: precision.Recipe | None = None
+    fp8_weight: tuple[Any, Any] | None = None  # (q, s): the weight as ZeRO-3 gathered it in FP8, while it is whole
 
     def __init__(self, n_in: int, n_out: int, bias: bool = True, dtype: str = "float32"):
         dt = resolve_dtype(dtype)
@@ -147,7 +148,8 @@ class Linear(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is not None:
-            return precision.linear(x, self.weight, self.fp8, self.bias)
+            gathered = (lambda: self.fp8_weight) if self.fp8_weight is not None else None
+            return precision.linear(x, self.weight, self.fp8, self.bias, gathered)
         return ops.linear(x, self.weight, self.bias)
 
 

@@ -178,10 +178,14 @@ def quantize(x: Any, recipe: Recipe, role: str, axis: int = -1) -> tuple[np.ndar
     groups = _groups(x, *_block_shape(x.shape, recipe, role, axis % 2))
     amax = np.max(np.abs(groups), axis=(1, 3), keepdims=True)
     s = scales_of(amax, recipe, fmt)
-    with np.errstate(invalid="ignore", over="ignore"):
-        scaled = np.clip(groups * s, -fmt.max, fmt.max)
-    q = scaled.astype(fmt.dtype).reshape(groups.shape[0] * groups.shape[1], -1)[:x.shape[0], :x.shape[1]]
+    q = encode(groups, s, fmt).reshape(groups.shape[0] * groups.shape[1], -1)[:x.shape[0], :x.shape[1]]
     return q, s[:, 0, :, 0]
+
+
+def encode(x: np.ndarray, s: np.ndarray, fmt: Format) -> np.ndarray:
+    """cast(clip(x·s, −max, max)) to ``fmt`` (s broadcast against x): ml_dtypes' cast, saturating."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.clip(x * s, -fmt.max, fmt.max).astype(fmt.dtype)
 
 
 def dequantize(q: np.ndarray, s: np.ndarray, recipe: Recipe, role: str, axis: int = -1) -> np.ndarray:
@@ -216,13 +220,16 @@ class FP8Linear(Function):
 
     Forward keeps x and W in their own (16-bit) precision and quantizes them again in backward along the other
     GEMMs' contraction dimensions. Costs what Linear costs, plus a quantization pass over each operand per GEMM.
+    ``gathered`` (tensorwise only): a function returning W as ZeRO-3 all-gathered it in FP8, (q, s), used in both
+    GEMMs that take W instead of quantizing it here — the same codes, since every rank quantized its shard with
+    the whole weight's scale (parallel/zero.py); it is asked for again in backward, after the unit's regather.
     """
 
     @staticmethod
-    def forward(ctx: Context, x: Any, w: Any, b: Any, recipe: Recipe) -> Any:
-        ctx.recipe, ctx.has_bias = recipe, b is not None
+    def forward(ctx: Context, x: Any, w: Any, b: Any, recipe: Recipe, gathered: Any = None) -> Any:
+        ctx.recipe, ctx.has_bias, ctx.gathered = recipe, b is not None, gathered
         x2 = x.reshape(-1, x.shape[-1])
-        out = fake_quantize(x2, recipe, "input", 1) @ fake_quantize(w, recipe, "weight", 0)
+        out = fake_quantize(x2, recipe, "input", 1) @ _weight(ctx, w, 0)
         if b is not None:
             out += to_host(b)
         return to_device(out.reshape(*x.shape[:-1], out.shape[-1]), dtype=x.dtype)
@@ -233,16 +240,27 @@ class FP8Linear(Function):
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         gx = gw = gb = None
         if ctx.needs_input_grad[0]:
-            gx = fake_quantize(g2, recipe, "grad", 1) @ fake_quantize(w, recipe, "weight", 1).T
+            gx = fake_quantize(g2, recipe, "grad", 1) @ _weight(ctx, w, 1).T
             gx = to_device(gx.reshape(x.shape), dtype=x.dtype)
         if ctx.needs_input_grad[1]:
             gw = fake_quantize(x2, recipe, "input", 0).T @ fake_quantize(g2, recipe, "grad", 0)
             gw = to_device(gw, dtype=w.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(axis=0)
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
 
 
-def linear(x: Tensor, w: Tensor, recipe: Recipe, b: Tensor | None = None) -> Tensor:
-    """``x · w (+ b)`` with FP8 GEMMs under ``recipe``; w is (in, out), minipar's weight layout."""
-    return FP8Linear.apply(x, w, b, recipe)
+def _weight(ctx: Context, w: Any, axis: int) -> np.ndarray:
+    """W as a GEMM contracting along ``axis`` sees it: ZeRO-3's FP8-gathered codes, or quantized here."""
+    if ctx.gathered is None:
+        return fake_quantize(w, ctx.recipe, "weight", axis)
+    pair = ctx.gathered()
+    if pair is None:
+        raise RuntimeError("an FP8-gathered weight was used while its ZeRO-3 unit was not gathered")
+    return dequantize(*pair, ctx.recipe, "weight", axis)
+
+
+def linear(x: Tensor, w: Tensor, recipe: Recipe, b: Tensor | None = None, gathered: Any = None) -> Tensor:
+    """``x · w (+ b)`` with FP8 GEMMs under ``recipe``; w is (in, out), minipar's weight layout; ``gathered``: see
+    :class:`FP8Linear`."""
+    return FP8Linear.apply(x, w, b, recipe, gathered)

@@ -210,6 +210,8 @@ def fp8_one_process():
 
 @pytest.mark.parametrize("recipe_flags,ranks,layout,rtol", [
     (["--fp8-recipe", "tensorwise"], 2, ["--dp", "2"], 0.0),
+    (["--fp8-recipe", "tensorwise"], 2, ["--dp", "2", "--zero", "3"], 0.0),
+    (["--fp8-recipe", "tensorwise"], 4, ["--dp", "4", "--zero", "3", "--shard-group", "2"], 2.0**-8),
     (["--fp8-recipe", "rowwise"], 2, ["--dp", "2", "--zero", "1"], 0.0),
     (["--fp8-recipe", "blockwise", "--fp8-block", "16"], 2, ["--dp", "2", "--zero", "3"], 0.0),
     (["--fp8-recipe", "mxfp8", "--fp8-block", "8"], 2, ["--dp", "2", "--zero", "2"], 0.0),
@@ -218,7 +220,8 @@ def fp8_one_process():
 ])
 def test_fp8_layouts_equal_the_one_process_run(fp8_one_process, recipe_flags, ranks, layout, rtol):
     """The reference is one process whose microbatches are each data-parallel rank's rows: a weight's scales are
-    the whole weight's (ZeRO-3 gathers it before its forward), an activation's are its own microbatch's, so every
+    the whole weight's (ZeRO-3 gathers it before its forward — in FP8 under tensorwise, each rank encoding its
+    shard with the whole weight's scale), an activation's are its own microbatch's, so every
     GEMM sees the same quantized operands — the first step's loss is the same number. dp 2 stays bit-identical
     (the sum of two bf16 gradients does not depend on their order); a pipeline adds the tied embedding's two
     gradients, and 4 ranks' ring their four, in another order in bfloat16: within one bf16 unit roundoff, 2^-8."""
@@ -229,6 +232,30 @@ def test_fp8_layouts_equal_the_one_process_run(fp8_one_process, recipe_flags, ra
     losses, want = [r["loss"] for r in records], [r["loss"] for r in reference]
     assert losses[0] == want[0]
     np.testing.assert_allclose(losses, want, rtol=rtol, atol=0)
+
+
+@pytest.mark.parametrize("ranks,layout", [(2, ["--dp", "2", "--zero", "3"]),
+                                          (4, ["--dp", "4", "--zero", "3", "--microbatches", "2"])])
+def test_zero3_gathers_fp8_weights_in_fp8(ranks, layout):
+    """FP8 on the wire: under tensorwise ZeRO-3 every block Linear's weight travels as e4m3 codes, 1 byte per
+    element instead of bf16's 2, plus one float32 amax per weight (an all-reduce of max per block unit and gather).
+    A rank sends (p−1)/p·(Ψ_fp8·1 + Ψ_rest·2) bytes per gather (ring; every shard's size divides by p = 2 and 4 here,
+    so rank 0's share is the mean) and 2(p−1)/p·4 values·4 bytes per block amax all-reduce (ring, 4 weights); a unit
+    is gathered in each microbatch's forward and backward. Ψ_fp8 and Ψ_rest are counted from the model's arrays."""
+    from minipar.models.gpt import GPT, GPTConfig
+
+    m = int(layout[layout.index("--microbatches") + 1]) if "--microbatches" in layout else 1
+    model = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block-size", "16", "--batch-size", str(6 * ranks),
+             "--steps", "2", "--eval-interval", "0", "--json", "--precision", "fp8"]
+    gpt = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    fp8 = sum(p.size for name, p in gpt.named_parameters() if name.startswith("transformer.h.") and
+              name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight")))
+    rest = gpt.num_parameters() - fp8
+    assert fp8 == 2 * (32 * 96 + 32 * 32 + 32 * 128 + 128 * 32)  # 2 blocks: c_attn, attn.c_proj, c_fc, mlp.c_proj
+    records, _ = train_cli([*model, *layout], ranks)
+    sent = records[-1]["comm_bytes_by_op"]
+    assert sent["params"] == 2 * m * (ranks - 1) // ranks * (fp8 * 1 + rest * 2)  # half of bf16's for the weights
+    assert sent["fp8_amax"] == 2 * m * 2 * (2 * (ranks - 1) * (4 // ranks) * 4)  # 2 blocks' amax all-reduces
 
 
 @pytest.mark.parametrize("flags,message", [

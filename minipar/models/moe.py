@@ -15,7 +15,8 @@
     balance  aux = E · Σ_i f_i · P_i (Switch): f_i the share of the N·k assignments routed to expert i
              (before dropping; no gradient), P_i the mean router probability of expert i. Under context
              parallelism each cp rank weighs its own tokens' mean probabilities by the group's f_i: the
-             average over the cp ranks, which the gradient average takes, is the group's aux
+             average over the cp ranks, which the global-token normalization takes (each rank's share
+             1/(dp·cp), gradients summed), is the group's aux
 
 The GPT adds ``aux_loss_coef`` × the sum of its layers' aux to the language-model loss. Routing
 decisions (which expert, which slot) are index computations without gradient; everything they

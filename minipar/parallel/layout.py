@@ -228,7 +228,8 @@ class Layout:
             engine = ZeRO(model, mesh.shard_comm, self.zero, lr=lr, weight_decay=weight_decay, bucket_mb=bucket_mb,
                           expert_comm=mesh.expert_shard_comm if experts else None, replicas=mesh.shard_replica_comm,
                           prefetch=self.prefetch, reduce_dtype=reduce_dtype,
-                          expert_replicas=mesh.expert_shard_replica_comm)
+                          expert_replicas=mesh.expert_shard_replica_comm,
+                          fp8_all_gather=self.precision == "fp8" and self.fp8_recipe == "tensorwise")
             return engine, engine, None
         compression = make_compressor(self.compression, self.topk_ratio, self.powersgd_rank)
         return (DataParallel(model, mesh.grad_comm, bucket_mb, compression=compression, expert_comm=experts,
