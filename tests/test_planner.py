@@ -384,22 +384,26 @@ def test_the_planners_parameters_per_rank_are_the_engines(arch, tp):
     (2, ["--dp", "2", "--zero", "1", "--microbatches", "2"]),
     (2, ["--dp", "2", "--microbatches", "2"]),
     (4, ["--dp", "4", "--zero", "2", "--microbatches", "2", "--shard-group", "2"]),
+    (2, ["--dp", "2", "--zero", "3", "--microbatches", "2", "--precision", "fp8"]),
 ])
 def test_the_planners_data_parallel_bytes_are_a_runs(ranks, flags):
     """The planner's bytes per step for gradients and parameters equal what a run's byte report counts (rank 0's
     "grads" + "params"): ZeRO-2/3 reduce-scatter after every microbatch (the engines keep no full gradient to
     accumulate), ZeRO-3 gathers every microbatch's forward and backward (a recomputed forward inside the backward's
-    gather); DP and ZeRO-1 reduce once. Every group's size is divisible by 4 here (C = 16), so rank 0's ring chunks are the mean's."""
+    gather); DP and ZeRO-1 reduce once; tensorwise FP8 gathers the block Linears' weights in 1 byte (a bf16 model:
+    itemsize 2). Every group's size is divisible by 4 here (C = 16), so rank 0's ring chunks are the mean's."""
     from minipar.testing import train_cli
 
+    fp8 = "fp8" in flags
     model = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "24",
-             "--steps", "2", "--eval-interval", "0", "--json", "--dtype", "float64"]
+             "--steps", "2", "--eval-interval", "0", "--json", *([] if fp8 else ["--dtype", "float64"])]
     records, _ = train_cli([*model, *flags], ranks)
     args = planner_args(flags)
     cfg = GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=16)
     layout = planner.Layout(dp=args["dp"], zero=args.get("zero", 0), microbatches=args["microbatches"],
-                            recompute=args.get("recompute", "none"), shard_group=args.get("shard_group", 0))
-    expected = planner.data_parallel_bytes(cfg, layout, 8)
+                            recompute=args.get("recompute", "none"), shard_group=args.get("shard_group", 0),
+                            precision=args.get("precision", "fp32"))
+    expected = planner.data_parallel_bytes(cfg, layout, 2 if fp8 else 8)
     reductions, gathers = planner.data_parallel_passes(layout)
     assert (reductions, gathers) == {0: (1, 1), 1: (1, 1), 2: (layout.microbatches, 1),  # written out per stage
                                      3: (layout.microbatches, 2 * layout.microbatches)}[layout.zero]

@@ -18,7 +18,7 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
               (v = 2 for DualPipeV's V) one activation
               forward, one gradient back: 2v(α + t·C·itemsize·β) (÷tp with ``p2p_split``)
     data      ring reduce-scatter + all-gather of the rank's Ψ_l = Ψ_stage/tp parameters, (dp−1)/dp·Ψ_l·itemsize·β
-              each, of which ``overlap`` hides behind backward (hybrid sharding over K: the ring within K ranks,
+              each (a ZeRO-3 gather 1 byte per block Linear weight element under tensorwise FP8), of which ``overlap`` hides behind backward (hybrid sharding over K: the ring within K ranks,
               then an all-reduce of Ψ_l/K across the dp/K groups); ZeRO-2/3 reduce-scatter after each of the m
               microbatches (:func:`data_parallel_passes`); ZeRO-3 all-gathers Ψ_l per microbatch forward and
               backward, prefetched: exposed is what compute (× ``overlap``) cannot hide, at least one unit's
@@ -214,11 +214,11 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     replicas = dp * cp  # gradients reduce, and ZeRO shards, over dp×cp (experts: over dp×cp/ep)
     reductions, gathers = data_parallel_passes(layout)
     reduce_time = gather_time = optimizer_words = 0.0
-    for psi, group, shards in local_parameter_groups(cfg, layout):  # hybrid: RS/AG within K, all-reduce of Ψ/K across
-        half = _ring_all_reduce(psi * itemsize, shards, profile.link(shards, shards * tp)) / 2  # one RS or one AG
+    for k, (psi, group, shards) in enumerate(local_parameter_groups(cfg, layout)):  # hybrid: RS/AG within K, then
+        link = profile.link(shards, shards * tp)                                     # an all-reduce of Ψ/K across
         across = _ring_all_reduce(psi / shards * itemsize, group // shards, profile.link(group // shards, replicas * tp))
-        reduce_time += reductions * (half + across)
-        gather_time += gathers * half
+        reduce_time += reductions * (_ring_all_reduce(psi * itemsize, shards, link) / 2 + across)  # one RS: half
+        gather_time += gathers * _ring_all_reduce(gathered_bytes(cfg, layout, psi, itemsize, k == 0), shards, link) / 2
         optimizer_words += 7 * 4 * psi / (shards if layout.zero else 1)
     exposed_dp = (reduce_time + gather_time) * (1 - profile.overlap)
     if layout.zero == 3:  # each microbatch's gathers are prefetched one unit ahead: hidden behind compute, but the first
@@ -269,11 +269,23 @@ def data_parallel_bytes(cfg: Any, layout: Layout, itemsize: int) -> float:
     reduce-scatter."""
     reductions, gathers = data_parallel_passes(layout)
     total = 0.0
-    for psi, group, shards in local_parameter_groups(cfg, layout):
-        within = (shards - 1) / shards * psi
-        across = 2 * (group // shards - 1) / (group // shards) * psi / shards
-        total += reductions * (within + across) + gathers * within
-    return total * itemsize
+    for k, (psi, group, shards) in enumerate(local_parameter_groups(cfg, layout)):
+        within = (shards - 1) / shards
+        across = 2 * (group // shards - 1) / (group // shards) / shards
+        total += reductions * (within + across) * psi * itemsize
+        total += gathers * within * gathered_bytes(cfg, layout, psi, itemsize, k == 0)
+    return total
+
+
+def gathered_bytes(cfg: Any, layout: Layout, psi: float, itemsize: int, dense: bool) -> float:
+    """Bytes of one all-gather of a group's Ψ parameters: itemsize each, but a byte for every block Linear weight
+    element that tensorwise FP8 under ZeRO-3 gathers in e4m3 (zero.py: the attention's and a dense MLP's
+    matrices of the stage's blocks; MoE experts and the rest stay 16-bit)."""
+    if not (dense and layout.precision == "fp8" and layout.fp8_recipe == "tensorwise" and layout.zero == 3):
+        return psi * itemsize
+    attention, mlp = cfg.layer_weights()
+    fp8 = math.ceil(cfg.n_layer / layout.pp) * (attention + (0 if cfg.n_expert else mlp)) / layout.tp
+    return (psi - fp8) * itemsize + fp8
 
 
 def local_parameter_groups(cfg: Any, layout: Layout) -> list[tuple[float, int, int]]:
