@@ -10,7 +10,7 @@ Formats (ml_dtypes; u = unit roundoff 2^-(mantissa bits + 1), the relative error
 
     e4m3   float8_e4m3fn    4 exponent, 3 mantissa bits   max 448      u = 2^-4   no inf (overflow: NaN)
     e5m2   float8_e5m2      5, 2                          max 57344    u = 2^-3   inf
-    e8m0   float8_e8m0fnu   powers of two 2^-127…2^127    MX block scales
+    e8m0   float8_e8m0fnu   powers of two 2^-127…2^127    MX block scales (kept as float32: each is exactly one)
     e2m1   float4_e2m1fn    2, 1                          max 6        u = 2^-2   (MXFP4 / NVFP4 elements)
 
 Recipes (the scale of a group of values is s = max / amax, the group's largest magnitude mapped to the format's
@@ -33,7 +33,7 @@ Each Linear's three GEMMs take quantized operands, each scaled along that GEMM's
 
 so rowwise, blockwise and mxfp8 quantize x, W and dy twice each (tensorwise once: one scale serves both axes;
 blockwise's 128×128 weight blocks too). The bias, the embedding, the LM head, MoE routers and experts and
-attention's softmax and P·V stay in bf16, as torchao and DeepSeek-V3 keep them (:data:`KEPT_IN_BF16`).
+attention's softmax and P·V stay in bf16, as torchao and DeepSeek-V3 keep them.
 
 Block sizes default to the recipe's (128; 32) and ``block`` sets another (the tiny models of tests). A partial
 last block along a dimension is scaled as zero padding to a whole block would scale it: by the amax of the values
@@ -82,7 +82,6 @@ class Format:
 FORMATS = {f.name: f for f in (Format("e4m3", ml_dtypes.float8_e4m3fn, 3), Format("e5m2", ml_dtypes.float8_e5m2, 2),
                                Format("e2m1", ml_dtypes.float4_e2m1fn, 1))}
 EPS = 1e-12  # the smallest amax a scale is computed from (torchao's)
-KEPT_IN_BF16 = ("embedding", "lm head", "MoE router and experts", "attention softmax and P·V", "biases")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -78,6 +78,8 @@ def test_quantize_is_the_recipe_bit_for_bit(name, block, role):
         want_q, want_s = _reference_quantize(x, recipe, role, axis)
         assert q.dtype == want_q.dtype and s.dtype == np.float32
         assert np.array_equal(s, want_s), (axis, s, want_s)
+        if recipe.mx:  # every block's X = 1/s is an e8m0 value exactly
+            assert ((1 / s).astype(ml_dtypes.float8_e8m0fnu).astype(np.float32) == 1 / s).all()
         assert q.tobytes() == want_q.tobytes(), axis
         back = precision.dequantize(q, s, recipe, role, axis)
         expanded = want_q.astype(np.float64) / np.kron(want_s, np.ones(_size(recipe, role, axis, x.shape)))[:37, :50]
@@ -102,6 +104,8 @@ def test_saturation_ties_and_the_scale_rules():
     mx = precision.recipe("mxfp8", 2)
     q, s = precision.quantize(np.array([[300.0, 1.0, 500.0, 3.0, 1000.0, 6.0]], np.float32), mx, "input")
     assert s.tolist() == [[1.0, 1.0, 0.5]]
+    shared = (1 / s).astype(ml_dtypes.float8_e8m0fnu)  # X, stored as the spec's e8m0, exactly
+    assert (shared.astype(np.float32) == 1 / s).all()
     assert q.astype(np.float32).tolist() == [[288.0, 1.0, 448.0, 3.0, 448.0, 3.0]]
     # rowwise rounds the scale down to a power of two: 448/3 = 149.33 → 128
     q, s = precision.quantize(np.array([[3.0, 1.0]], np.float32), precision.recipe("rowwise"), "input")

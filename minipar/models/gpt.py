@@ -214,7 +214,7 @@ class GPT(Module):
 
     def set_fp8(self, recipe: Any) -> GPT:
         """Every block's attention and dense-MLP Linear computes its GEMMs under the FP8 ``recipe`` (precision.py);
-        the embedding, the head, MoE routers and experts stay in bf16 (precision.KEPT_IN_BF16)."""
+        the embedding, the head, MoE routers and experts stay in bf16 (precision.py)."""
         for block in self.transformer.h:
             for linear in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
                 if isinstance(linear, Linear):  # a MoE layer's experts are ExpertLinear: left alone
