@@ -25,6 +25,8 @@ def test_formats_from_their_bit_layouts():
         fmt = precision.FORMATS[name]
         assert fmt.max == largest and fmt.unit_roundoff == 2.0 ** -(mantissa + 1)
     assert precision.FORMATS["e4m3"].emax == 8  # OCP MX v1.0 Table 1: emax_elem of FP8 E4M3
+    # the published block sizes: DeepSeek-V3's 1×128 tiles and 128×128 blocks (§3.3.2), OCP MX's k = 32
+    assert precision.recipe("blockwise").block == 128 and precision.recipe("mxfp8").block == 32
 
 
 def _reference_quantize(x, recipe, role, axis):

@@ -68,6 +68,7 @@ TARGETS = {
                 "tests/test_kernels.py"),  # ./kernels, where the copy installs it (copy_tree)
     "backend": (["minipar/backend.py"], "tests/test_data_optim.py tests/test_ops.py tests/test_kernels.py"),
     "cli": (["minipar/cli.py"], "tests/test_cli.py"),
+    "precision": (["minipar/precision.py"], "tests/test_precision.py -k 'not layouts and not bad_fp8_flags'"),
 }
 KEPT = re.compile(r"ReplaceBinaryOperator_\w+_(Add|Sub|Mul|Div)$|ReplaceComparisonOperator|AddNot|NumberReplacer|"
                   r"Replace(True|False|And|Or|Break|Continue)|ZeroIterationForLoop|ExceptionReplacer|"
