@@ -166,16 +166,20 @@ def scales_of(amax: np.ndarray, recipe: Recipe, fmt: Format) -> np.ndarray:
         return np.where(finite, s, np.where(np.isnan(amax), np.nan, 0.0)).astype(np.float32)
 
 
-def quantize(x: Any, recipe: Recipe, role: str, axis: int = -1) -> tuple[np.ndarray, np.ndarray]:
+def quantize(x: Any, recipe: Recipe, role: str, axis: int = -1, reduce_amax: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """(q, s): ``x`` (2-D) in the role's format, each group scaled along ``axis`` (the GEMM's contraction
     dimension) by its multiplier s, q = cast(clip(x·s, −max, max)) — ml_dtypes' cast, round to nearest even,
-    saturating; s has x's shape with each group's dimension cut to its number of groups (1 for tensorwise)."""
+    saturating; s has x's shape with each group's dimension cut to its number of groups (1 for tensorwise).
+    ``reduce_amax(role, axis, amax)``: the groups' amax over every rank holding a piece of them (tensor
+    parallelism: an all-reduce of max), or the local amax as it is."""
     fmt = recipe.format(role)
     x = np.asarray(to_host(x), dtype=np.float32)
     if x.ndim != 2:
         raise ValueError(f"quantize takes a 2-D tensor, got shape {x.shape}")
     groups = _groups(x, *_block_shape(x.shape, recipe, role, axis % 2))
     amax = np.max(np.abs(groups), axis=(1, 3), keepdims=True)
+    if reduce_amax is not None:
+        amax = reduce_amax(role, axis % 2, amax)
     s = scales_of(amax, recipe, fmt)
     q = encode(groups, s, fmt).reshape(groups.shape[0] * groups.shape[1], -1)[:x.shape[0], :x.shape[1]]
     return q, s[:, 0, :, 0]
@@ -206,9 +210,9 @@ def _decoded(q: np.ndarray) -> np.ndarray:
 _TABLES: dict[Any, np.ndarray] = {}
 
 
-def fake_quantize(x: Any, recipe: Recipe, role: str, axis: int = -1) -> np.ndarray:
+def fake_quantize(x: Any, recipe: Recipe, role: str, axis: int = -1, reduce_amax: Any = None) -> np.ndarray:
     """x as its GEMM sees it: quantized, then dequantized to float32."""
-    return dequantize(*quantize(x, recipe, role, axis), recipe, role, axis)
+    return dequantize(*quantize(x, recipe, role, axis, reduce_amax), recipe, role, axis)
 
 
 # ------------------------------------------------------------------------------------------------ linear
@@ -222,13 +226,15 @@ class FP8Linear(Function):
     ``gathered`` (tensorwise only): a function returning W as ZeRO-3 all-gathered it in FP8, (q, s), used in both
     GEMMs that take W instead of quantizing it here — the same codes, since every rank quantized its shard with
     the whole weight's scale (parallel/zero.py); it is asked for again in backward, after the unit's regather.
+    ``reduce_amax``: see :func:`quantize` (tensor parallelism's slices, parallel/tensor_parallel.py).
     """
 
     @staticmethod
-    def forward(ctx: Context, x: Any, w: Any, b: Any, recipe: Recipe, gathered: Any = None) -> Any:
-        ctx.recipe, ctx.has_bias, ctx.gathered = recipe, b is not None, gathered
+    def forward(ctx: Context, x: Any, w: Any, b: Any, recipe: Recipe, gathered: Any = None,
+                reduce_amax: Any = None) -> Any:
+        ctx.recipe, ctx.has_bias, ctx.gathered, ctx.reduce_amax = recipe, b is not None, gathered, reduce_amax
         x2 = x.reshape(-1, x.shape[-1])
-        out = fake_quantize(x2, recipe, "input", 1) @ _weight(ctx, w, 0)
+        out = fake_quantize(x2, recipe, "input", 1, reduce_amax) @ _weight(ctx, w, 0)
         if b is not None:
             out += to_host(b)
         return to_device(out.reshape(*x.shape[:-1], out.shape[-1]), dtype=x.dtype)
@@ -238,28 +244,30 @@ class FP8Linear(Function):
         x, w, recipe = ctx.input(0), ctx.input(1), ctx.recipe
         g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
         gx = gw = gb = None
+        reduce = ctx.reduce_amax
         if ctx.needs_input_grad[0]:
-            gx = fake_quantize(g2, recipe, "grad", 1) @ _weight(ctx, w, 1).T
+            gx = fake_quantize(g2, recipe, "grad", 1, reduce) @ _weight(ctx, w, 1).T
             gx = to_device(gx.reshape(x.shape), dtype=x.dtype)
         if ctx.needs_input_grad[1]:
-            gw = fake_quantize(x2, recipe, "input", 0).T @ fake_quantize(g2, recipe, "grad", 0)
+            gw = fake_quantize(x2, recipe, "input", 0, reduce).T @ fake_quantize(g2, recipe, "grad", 0, reduce)
             gw = to_device(gw, dtype=w.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(axis=0)
-        return gx, gw, gb, None, None
+        return gx, gw, gb, None, None, None
 
 
 def _weight(ctx: Context, w: Any, axis: int) -> np.ndarray:
     """W as a GEMM contracting along ``axis`` sees it: ZeRO-3's FP8-gathered codes, or quantized here."""
     if ctx.gathered is None:
-        return fake_quantize(w, ctx.recipe, "weight", axis)
+        return fake_quantize(w, ctx.recipe, "weight", axis, ctx.reduce_amax)
     pair = ctx.gathered()
     if pair is None:
         raise RuntimeError("an FP8-gathered weight was used while its ZeRO-3 unit was not gathered")
     return dequantize(*pair, ctx.recipe, "weight", axis)
 
 
-def linear(x: Tensor, w: Tensor, recipe: Recipe, b: Tensor | None = None, gathered: Any = None) -> Tensor:
-    """``x · w (+ b)`` with FP8 GEMMs under ``recipe``; w is (in, out), minipar's weight layout; ``gathered``: see
-    :class:`FP8Linear`."""
-    return FP8Linear.apply(x, w, b, recipe, gathered)
+def linear(x: Tensor, w: Tensor, recipe: Recipe, b: Tensor | None = None, gathered: Any = None,
+           reduce_amax: Any = None) -> Tensor:
+    """``x · w (+ b)`` with FP8 GEMMs under ``recipe``; w is (in, out), minipar's weight layout; ``gathered`` and
+    ``reduce_amax``: see :class:`FP8Linear`."""
+    return FP8Linear.apply(x, w, b, recipe, gathered, reduce_amax)

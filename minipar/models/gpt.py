@@ -217,7 +217,7 @@ class GPT(Module):
         the embedding, the head, MoE routers and experts stay in bf16 (precision.py)."""
         for block in self.transformer.h:
             for linear in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
-                if isinstance(linear, Linear):  # a MoE layer's experts are ExpertLinear: left alone
+                if hasattr(linear, "fp8"):  # Linear and its tensor-parallel slices; a MoE layer's experts are not
                     linear.fp8 = recipe
         return self
 

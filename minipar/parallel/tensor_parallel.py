@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from minipar import ops
+from minipar import ops, precision
 from minipar.autograd import Context, Function, Tensor
 from minipar.backend import to_device, xp
 from minipar.comm import Communicator
@@ -169,6 +169,25 @@ def _shard_used(p: Parameter, comm: Communicator | None) -> Tensor:
     return p if comm is None else CopyToTensorParallel.apply(p, comm, "sp_params")
 
 
+def split_amax(comm: Communicator, recipe: Any, split: dict[str, int]) -> Any:
+    """FP8 scales under tensor parallelism (precision.quantize's ``reduce_amax``): a group of values that spans the
+    ranks' slices gets its amax from all of them — one all-reduce of max (label ``fp8_amax``), of one number per
+    tensor (tensorwise) or per row (rowwise) — so every rank scales its slice as one process scales the whole.
+    ``split``: role -> the axis along which that operand is cut over the ranks (a role absent: replicated, local).
+    Tensorwise: every cut operand; rowwise: a row along the cut axis."""
+    def reduce(role: str, axis: int, amax: Any) -> Any:
+        cut = split.get(role)
+        if cut is None or (recipe.per_row and axis != cut):
+            return amax
+        return comm.all_reduce(np.ascontiguousarray(amax, dtype=np.float32), op="max", label="fp8_amax")
+    return reduce
+
+
+def _fp8_linear(module: Any, x: Tensor, w: Tensor, b: Tensor | None, split: dict[str, int]) -> Tensor:
+    """x·w (+ b) in FP8 under ``module.fp8`` with the amax of cut operands reduced over the tp group."""
+    return precision.linear(x, w, module.fp8, b, reduce_amax=split_amax(module.comm, module.fp8, split))
+
+
 class ColumnParallelLinear(Module):
     """y_r = f(x) W_r + b_r with W_r = W[:, cols of rank r] (in, out/tp); the output stays split.
     Sequence-parallel: ḡ(x) instead of f(x) — the full sequence from the shards.
@@ -186,12 +205,16 @@ class ColumnParallelLinear(Module):
         if replicated is not None and bias is not None:
             raise ValueError("replicated columns are implemented for bias-free layers (Llama's)")
 
+    fp8: Any = None  # a precision.Recipe: the GEMMs in FP8 (W and dy cut along their output axis)
+
     def forward(self, x: Tensor) -> Tensor:
         x = GatherSequence.apply(x, self.comm) if self.sp else CopyToTensorParallel.apply(x, self.comm)
         w = self.weight
         if self.replicated is not None:
             start, group = self.replicated
             w = ops.concat([w[:, :start], CopyToTensorParallel.apply(w[:, start:], group, "tp_kv_replicas")], axis=1)
+        if self.fp8 is not None:
+            return _fp8_linear(self, x, w, self.bias, {"weight": 1, "grad": 1})
         return ops.linear(x, w, self.bias)
 
 
@@ -203,11 +226,15 @@ class RowParallelLinear(Module):
         self.weight, self.comm, self.sp = Parameter(weight), comm, sequence_parallel
         self.bias = Parameter(bias) if bias is not None else None
 
+    fp8: Any = None  # a precision.Recipe: the GEMMs in FP8 (x and W cut along the input axis)
+
     def forward(self, x: Tensor) -> Tensor:
+        partial = (_fp8_linear(self, x, self.weight, None, {"input": 1, "weight": 0}) if self.fp8 is not None
+                   else ops.linear(x, self.weight))
         if self.sp:
-            y = ReduceScatterSequence.apply(ops.linear(x, self.weight), self.comm)
+            y = ReduceScatterSequence.apply(partial, self.comm)
             return y if self.bias is None else y + _shard_used(self.bias, self.comm)
-        y = ReduceFromTensorParallel.apply(ops.linear(x, self.weight), self.comm)
+        y = ReduceFromTensorParallel.apply(partial, self.comm)
         return y if self.bias is None else y + self.bias
 
 
