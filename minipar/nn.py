@@ -140,6 +140,7 @@ class Linear(Module):
 
     fp8: precision.Recipe | None = None
     fp8_weight: tuple[Any, Any] | None = None  # (q, s): the weight as ZeRO-3 gathered it in FP8, while it is whole
+    fp8_reduce: Callable[..., Any] | None = None  # the amax over the ranks holding other tokens (context parallelism)
 
     def __init__(self, n_in: int, n_out: int, bias: bool = True, dtype: str = "float32"):
         dt = resolve_dtype(dtype)
@@ -149,7 +150,7 @@ class Linear(Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.fp8 is not None:
             gathered = (lambda: self.fp8_weight) if self.fp8_weight is not None else None
-            return precision.linear(x, self.weight, self.fp8, self.bias, gathered)
+            return precision.linear(x, self.weight, self.fp8, self.bias, gathered, self.fp8_reduce)
         return ops.linear(x, self.weight, self.bias)
 
 

@@ -226,6 +226,8 @@ def fp8_one_process():
     (["--fp8-recipe", "tensorwise"], 2, ["--tp", "2"], 2.0**-8),
     (["--fp8-recipe", "rowwise"], 2, ["--tp", "2", "--sp"], 2.0**-8),
     (["--fp8-recipe", "tensorwise"], 4, ["--dp", "2", "--tp", "2", "--zero", "1"], 2.0**-8),
+    (["--fp8-recipe", "tensorwise"], 2, ["--cp", "2"], 2.0**-8),
+    (["--fp8-recipe", "rowwise"], 2, ["--cp", "2", "--cp-kind", "ulysses"], 2.0**-8),
 ])
 def test_fp8_layouts_equal_the_one_process_run(fp8_one_process, recipe_flags, ranks, layout, rtol):
     """The reference is one process whose microbatches are each data-parallel rank's rows: a weight's scales are
@@ -237,13 +239,15 @@ def test_fp8_layouts_equal_the_one_process_run(fp8_one_process, recipe_flags, ra
     Under tp a scale whose group spans the slices takes its amax over the ranks (precision-checked in
     test_tensor_parallel_fp8_scales_span_the_slices), but the row-parallel sum adds the ranks' partial products in
     another order, its bf16 output differs by an ulp here and there and the next quantization may round that to
-    another e4m3 step: the first step too within 2^-8 (measured 5e-5)."""
+    another e4m3 step: the first step too within 2^-8 (measured 5e-5). Under cp the scales across tokens take
+    their amax over the cp ranks (test_context_parallel_fp8_scales_span_the_tokens); attention adds its blocks in
+    another order: within 2^-8."""
     dp = int(layout[layout.index("--dp") + 1]) if "--dp" in layout else 1
     microbatches = int(layout[layout.index("--microbatches") + 1]) if "--microbatches" in layout else 1
     reference = fp8_one_process(recipe_flags, dp * microbatches)
     records, _ = train_cli([*FP8_MODEL, *recipe_flags, *layout], ranks)
     losses, want = [r["loss"] for r in records], [r["loss"] for r in reference]
-    assert losses[0] == want[0] or "--tp" in layout
+    assert losses[0] == want[0] or "--tp" in layout or "--cp" in layout
     np.testing.assert_allclose(losses, want, rtol=rtol, atol=0)
 
 
@@ -272,8 +276,8 @@ def test_zero3_gathers_fp8_weights_in_fp8(ranks, layout):
 
 
 @pytest.mark.parametrize("flags,message", [
-    (["--precision", "fp8", "--tp", "2", "--fp8-recipe", "mxfp8"], "--fp8-recipe mxfp8 with --tp: its blocks"),
-    (["--precision", "fp8", "--cp", "2"], "--precision fp8 with --cp: a rank's tokens are pieces of every sequence"),
+    (["--precision", "fp8", "--tp", "2", "--fp8-recipe", "mxfp8"], "--fp8-recipe mxfp8 with --tp or --cp: its blocks"),
+    (["--precision", "fp8", "--cp", "2", "--fp8-recipe", "blockwise"], "--fp8-recipe blockwise with --tp or --cp"),
     (["--precision", "fp8", "--tp", "2", "--arch", "llama", "--n-kv-head", "1"], "--tp 2 > --n-kv-head 1"),
     (["--fp8-recipe", "rowwise"], "--fp8-recipe has no effect here: it needs --precision fp8"),
     (["--precision", "fp8", "--fp8-block", "16"], "--fp8-block sets a block size: the tensorwise recipe has no blocks"),
@@ -370,3 +374,41 @@ def _tensor_parallel_fp8(name):
 @pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
 def test_tensor_parallel_fp8_scales_span_the_slices(name):
     run_ranks(2, _tensor_parallel_fp8, name)
+
+
+def _context_parallel_fp8(name):
+    """An FP8 Linear on each cp rank's tokens (half of every sequence) against one process on all of them: the
+    activations' and output gradients' scales across tokens take their amax over the ranks (token_amax), so every
+    rank quantizes its tokens as one process does; outputs per token and the weight gradient summed over the ranks
+    within float32 accumulation error. Rank 1's tokens hold an outlier 10^4 larger than the rest."""
+    from mpi4py import MPI
+
+    from minipar.comm import Communicator
+    from minipar.parallel.context_parallel import token_amax
+
+    comm = Communicator()
+    r = comm.rank
+    rng = np.random.default_rng(9)
+    N, C, H = 32, 16, 24
+    x, g = rng.standard_normal((N, C)).astype(np.float32), (rng.standard_normal((N, H)) * 1e-2).astype(np.float32)
+    x[N - 3, 4] *= 1e4
+    g[N - 5] *= 1e4
+    w = (rng.standard_normal((C, H)) * 0.2).astype(np.float32)
+    recipe = precision.recipe(name)
+    xs, ws = Tensor(x, requires_grad=True), Tensor(w, requires_grad=True)
+    y_ref = precision.linear(xs, ws, recipe)
+    y_ref.backward(g)
+    mine = slice(r * N // comm.size, (r + 1) * N // comm.size)
+    xt, wt = Tensor(x[mine].copy(), requires_grad=True), Tensor(w, requires_grad=True)
+    y = precision.linear(xt, wt, recipe, reduce_amax=token_amax(comm, recipe))
+    y.backward(g[mine])
+    total = np.empty_like(wt.grad)
+    comm.mpi.Allreduce(wt.grad, total, op=MPI.SUM)
+    u = 2.0**-24
+    for got, want, k in ((y.data, y_ref.data[mine], C), (xt.grad, xs.grad[mine], H), (total, ws.grad, N)):
+        np.testing.assert_allclose(got, want, rtol=0, atol=np.abs(want).max() * 2 * k * u)
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
+def test_context_parallel_fp8_scales_span_the_tokens(name):
+    run_ranks(2, _context_parallel_fp8, name)

@@ -289,7 +289,23 @@ def context_parallel(model: GPT, comm: Communicator, kind: str = "ring", split: 
         block.attn.core = UlyssesAttention(comm) if kind == "ulysses" else RingAttentionCore(comm, split, model.context_work)
         if isinstance(block.mlp, MoEMLP):
             block.mlp.admit = lambda chosen, mlp=block.mlp: admit_across(mlp, comm, split, chosen)
+        for linear in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+            if getattr(linear, "fp8", None) is not None:
+                linear.fp8_reduce = token_amax(comm, linear.fp8)
     return model
+
+
+def token_amax(comm: Communicator, recipe: Any) -> Any:
+    """FP8 scales under context parallelism (precision.quantize's ``reduce_amax``): a rank holds pieces of every
+    sequence, so a group of values across tokens — a tensorwise activation or output gradient, or rowwise's
+    columns along the tokens of the weight-gradient GEMM — takes its amax over the cp ranks (one all-reduce of
+    max, label ``fp8_amax``), as one process scales the whole sequences; a token's own row stays local, and the
+    weight is whole on every cp rank."""
+    def reduce(role: str, axis: int, amax: Any) -> Any:
+        if role == "weight" or (recipe.per_row and axis != 0):
+            return amax
+        return comm.all_reduce(np.ascontiguousarray(amax, dtype=np.float32), op="max", label="fp8_amax")
+    return reduce
 
 
 def context_report(model: GPT, cp_comm: Communicator) -> dict[str, float]:

@@ -145,13 +145,10 @@ class Layout:
                              "alone (no --tp/--pp/--cp/--zero/--compression)")
         if self.precision == "fp8":
             self.fp8()  # the recipe checks its name and block
-            if self.cp > 1:
-                raise ValueError("--precision fp8 with --cp: a rank's tokens are pieces of every sequence, whose scales "
-                                 "along the tokens need the whole sequence's amax (an all-reduce not built yet)")
-            if self.tp > 1 and self.fp8_recipe in ("blockwise", "mxfp8"):
-                raise ValueError(f"--precision fp8 --fp8-recipe {self.fp8_recipe} with --tp: its blocks along a cut "
-                                 "dimension would have to start where the slices do (tensorwise and rowwise reduce "
-                                 "their amax over tp instead)")
+            if (self.tp > 1 or self.cp > 1) and self.fp8_recipe in ("blockwise", "mxfp8"):
+                raise ValueError(f"--precision fp8 --fp8-recipe {self.fp8_recipe} with --tp or --cp: its blocks along a "
+                                 "cut dimension (features, or tokens) would have to start where the slices do "
+                                 "(tensorwise and rowwise reduce their amax over the ranks instead)")
             if self.tp > cfg.kv_heads:
                 raise ValueError(f"--precision fp8 with --tp {self.tp} > --n-kv-head {cfg.kv_heads}: a K/V head shared "
                                  "by several tp ranks gets partial output gradients there, which FP8 would scale apart")

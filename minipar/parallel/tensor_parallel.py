@@ -169,23 +169,24 @@ def _shard_used(p: Parameter, comm: Communicator | None) -> Tensor:
     return p if comm is None else CopyToTensorParallel.apply(p, comm, "sp_params")
 
 
-def split_amax(comm: Communicator, recipe: Any, split: dict[str, int]) -> Any:
+def split_amax(comm: Communicator, recipe: Any, split: dict[str, int], then: Any = None) -> Any:
     """FP8 scales under tensor parallelism (precision.quantize's ``reduce_amax``): a group of values that spans the
     ranks' slices gets its amax from all of them — one all-reduce of max (label ``fp8_amax``), of one number per
     tensor (tensorwise) or per row (rowwise) — so every rank scales its slice as one process scales the whole.
     ``split``: role -> the axis along which that operand is cut over the ranks (a role absent: replicated, local).
-    Tensorwise: every cut operand; rowwise: a row along the cut axis."""
+    Tensorwise: every cut operand; rowwise: a row along the cut axis. ``then``: a further reduction (context
+    parallelism's, over the ranks holding other tokens)."""
     def reduce(role: str, axis: int, amax: Any) -> Any:
         cut = split.get(role)
-        if cut is None or (recipe.per_row and axis != cut):
-            return amax
-        return comm.all_reduce(np.ascontiguousarray(amax, dtype=np.float32), op="max", label="fp8_amax")
+        if cut is not None and (not recipe.per_row or axis == cut):
+            amax = comm.all_reduce(np.ascontiguousarray(amax, dtype=np.float32), op="max", label="fp8_amax")
+        return amax if then is None else then(role, axis, amax)
     return reduce
 
 
 def _fp8_linear(module: Any, x: Tensor, w: Tensor, b: Tensor | None, split: dict[str, int]) -> Tensor:
     """x·w (+ b) in FP8 under ``module.fp8`` with the amax of cut operands reduced over the tp group."""
-    return precision.linear(x, w, module.fp8, b, reduce_amax=split_amax(module.comm, module.fp8, split))
+    return precision.linear(x, w, module.fp8, b, reduce_amax=split_amax(module.comm, module.fp8, split, module.fp8_reduce))
 
 
 class ColumnParallelLinear(Module):
@@ -206,6 +207,7 @@ class ColumnParallelLinear(Module):
             raise ValueError("replicated columns are implemented for bias-free layers (Llama's)")
 
     fp8: Any = None  # a precision.Recipe: the GEMMs in FP8 (W and dy cut along their output axis)
+    fp8_reduce: Any = None  # context parallelism's amax reduction (nn.Linear's)
 
     def forward(self, x: Tensor) -> Tensor:
         x = GatherSequence.apply(x, self.comm) if self.sp else CopyToTensorParallel.apply(x, self.comm)
@@ -227,6 +229,7 @@ class RowParallelLinear(Module):
         self.bias = Parameter(bias) if bias is not None else None
 
     fp8: Any = None  # a precision.Recipe: the GEMMs in FP8 (x and W cut along the input axis)
+    fp8_reduce: Any = None  # context parallelism's amax reduction (nn.Linear's)
 
     def forward(self, x: Tensor) -> Tensor:
         partial = (_fp8_linear(self, x, self.weight, None, {"input": 1, "weight": 0}) if self.fp8 is not None
