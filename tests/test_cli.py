@@ -237,6 +237,7 @@ def test_resume_refuses_model_flags_that_disagree(tmp_path):
     assert again.returncode == 0, again.stderr
 
 
+@pytest.mark.slow  # 7 s: the full suite runs it (the fast subset stays under 3 minutes)
 def test_a_resumed_run_follows_the_schedule_of_decay_steps(tmp_path):
     """--decay-steps is the schedule's length (default --steps): a first leg given the final length resumes into
     the same rates bit for bit; a first leg without it was trained on another schedule, and the resumed run says

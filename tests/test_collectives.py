@@ -413,6 +413,7 @@ def _one_rank_skips():
     MPI.COMM_WORLD.Barrier()
 
 
+@pytest.mark.slow  # 5 s of 2- and 3-rank runs: the full suite runs it (the fast subset stays under 3 minutes)
 @pytest.mark.parametrize("p", [2, 3])
 def test_debug_mode_names_both_sides(p):
     env = {"MINIPAR_DEBUG": "1", "MINIPAR_DEBUG_TIMEOUT": "2"}

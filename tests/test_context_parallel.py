@@ -96,6 +96,7 @@ def test_bad_context_parallel_layouts(ranks, args, message):
     assert str(err.value).count(message) == 1 and "exit 2" in str(err.value)
 
 
+@pytest.mark.slow  # 5 s: the full suite runs it (the fast subset stays under 3 minutes)
 def test_checkpoint_saved_under_cp_resumes_elsewhere(tmp_path, single):
     """Saved at step 10 with cp = 2 (zero-1 over dp·cp), resumed with cp = 3: the single-process trajectory."""
     save = str(tmp_path / "save")

@@ -210,6 +210,7 @@ def test_experts_on_sequence_pieces(tmp_path, singles, ranks, extra):
         assert counted.get("sp_moe_forward", 0) == counted.get("sp_moe_backward", 0) == sp_bytes
 
 
+@pytest.mark.slow  # 6 s: the full suite runs it (the fast subset stays under 3 minutes)
 def test_checkpoints_reshard_across_ep(tmp_path, singles):
     """Saved at step 10 with ep 2 (dp 2), resumed with ep 1 (dp 2) and on one process: the same trajectory."""
     save = str(tmp_path / "save")

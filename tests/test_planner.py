@@ -386,6 +386,7 @@ def test_the_planners_parameters_per_rank_are_the_engines(arch, tp):
     (4, ["--dp", "4", "--zero", "2", "--microbatches", "2", "--shard-group", "2"]),
     (2, ["--dp", "2", "--zero", "3", "--microbatches", "2", "--precision", "fp8"]),
 ])
+@pytest.mark.slow  # a 2-rank run each: the full suite
 def test_the_planners_data_parallel_bytes_are_a_runs(ranks, flags):
     """The planner's bytes per step for gradients and parameters equal what a run's byte report counts (rank 0's
     "grads" + "params"): ZeRO-2/3 reduce-scatter after every microbatch (the engines keep no full gradient to

@@ -251,6 +251,7 @@ def test_fp8_layouts_equal_the_one_process_run(fp8_one_process, recipe_flags, ra
     np.testing.assert_allclose(losses, want, rtol=rtol, atol=0)
 
 
+@pytest.mark.slow  # the fast subset has the bit-identical dp 2 run; these two count the bytes
 @pytest.mark.parametrize("ranks,layout", [(2, ["--dp", "2", "--zero", "3"]),
                                           (4, ["--dp", "4", "--zero", "3", "--microbatches", "2"])])
 def test_zero3_gathers_fp8_weights_in_fp8(ranks, layout):
@@ -289,6 +290,7 @@ def test_bad_fp8_flags_are_refused_in_one_line(flags, message):
     assert str(err.value).count(message) == 1 and "exit 2" in str(err.value) and "Traceback" not in str(err.value)
 
 
+@pytest.mark.slow  # importing torch: 3 s (the fast subset keeps the float64 emulation)
 @pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
 def test_tensorwise_and_rowwise_are_torchaos_float8_training(name):
     """torchao's Float8Linear with its recipe of that name, emulate=True (dequantize, float32 mm: its CPU path), on
