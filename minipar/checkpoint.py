@@ -301,9 +301,10 @@ def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any,
     tokenizer files (``tokenizer``'s BPE, or bytes), so that a resumed run, generate and export encode alike."""
     written: tuple[str, ...] = ()
     if mesh.world.rank == 0:  # before the manifest, which checksums them: a checkpoint that has one is complete
-        os.makedirs(step_path(args.save, step), exist_ok=True)
-        save_tokenizer(step_path(args.save, step), model.config.vocab_size, model.config.block_size, tokenizer)
-        written = tuple(name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(step_path(args.save, step), name)))
+        step_dir = step_path(args.save, step)
+        os.makedirs(step_dir, exist_ok=True)
+        save_tokenizer(step_dir, model.config.vocab_size, model.config.block_size, tokenizer)
+        written = tuple(name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(step_dir, name)))
     names = {id(p): n for n, p in model.named_parameters()}
     own = {**engine.rank_state(), **(local_sgd.export_state(optimizer, names) if local_sgd else {})}
     params = {**engine.gathered_state_dict(), **optimizer.master_state(names)}  # a 16-bit model's float32 masters

@@ -30,10 +30,10 @@ from minipar.models.llama import LlamaConfig
 from minipar.parallel import planner
 from minipar.parallel.compression import COMPRESSIONS
 from minipar.parallel.context_parallel import KINDS as CP_KINDS
-from minipar.precision import RECIPES
 from minipar.parallel.context_parallel import SPLITS as CP_SPLITS
 from minipar.parallel.layout import Layout
 from minipar.parallel.schedules import SCHEDULES
+from minipar.precision import RECIPES
 
 if TYPE_CHECKING:  # annotations only
     from minipar.parallel.local_sgd import LocalSGD

@@ -170,8 +170,8 @@ def quantize(x: Any, recipe: Recipe, role: str, axis: int = -1, reduce_amax: Any
     """(q, s): ``x`` (2-D) in the role's format, each group scaled along ``axis`` (the GEMM's contraction
     dimension) by its multiplier s, q = cast(clip(x·s, −max, max)) — ml_dtypes' cast, round to nearest even,
     saturating; s has x's shape with each group's dimension cut to its number of groups (1 for tensorwise).
-    ``reduce_amax(role, axis, amax)``: the groups' amax over every rank holding a piece of them (tensor
-    parallelism: an all-reduce of max), or the local amax as it is."""
+    ``reduce_amax(role, axis, amax)``: the groups' amax over every rank holding a piece of them
+    (:func:`amax_over`), or the local amax as it is."""
     fmt = recipe.format(role)
     x = np.asarray(to_host(x), dtype=np.float32)
     if x.ndim != 2:
@@ -183,6 +183,21 @@ def quantize(x: Any, recipe: Recipe, role: str, axis: int = -1, reduce_amax: Any
     s = scales_of(amax, recipe, fmt)
     q = encode(groups, s, fmt).reshape(groups.shape[0] * groups.shape[1], -1)[:x.shape[0], :x.shape[1]]
     return q, s[:, 0, :, 0]
+
+
+def amax_over(comm: Any, recipe: Recipe, cut: dict[str, int], then: Any = None) -> Any:
+    """A ``reduce_amax`` for operands cut over the ranks of ``comm``: a group of values that spans the cut gets its
+    amax from every rank — one all-reduce of max (label ``fp8_amax``), of one number per tensor (tensorwise) or per
+    row (rowwise) — so every rank scales its piece as one process scales the whole; a group inside the piece stays
+    local. ``cut``: role -> the axis along which that operand is cut (a role absent: whole on every rank).
+    Tensorwise: every cut operand; rowwise: rows along the cut axis. ``then``: a further such reduction (the
+    Linear's own: parallel/tensor_parallel.py cuts features, parallel/context_parallel.py tokens)."""
+    def reduce(role: str, axis: int, amax: Any) -> Any:
+        along = cut.get(role)
+        if along is not None and (not recipe.per_row or axis == along):
+            amax = comm.all_reduce(np.ascontiguousarray(amax, dtype=np.float32), op="max", label="fp8_amax")
+        return amax if then is None else then(role, axis, amax)
+    return reduce
 
 
 def encode(x: np.ndarray, s: np.ndarray, fmt: Format) -> np.ndarray:
@@ -226,7 +241,7 @@ class FP8Linear(Function):
     ``gathered`` (tensorwise only): a function returning W as ZeRO-3 all-gathered it in FP8, (q, s), used in both
     GEMMs that take W instead of quantizing it here — the same codes, since every rank quantized its shard with
     the whole weight's scale (parallel/zero.py); it is asked for again in backward, after the unit's regather.
-    ``reduce_amax``: see :func:`quantize` (tensor parallelism's slices, parallel/tensor_parallel.py).
+    ``reduce_amax``: see :func:`amax_over` (tensor and context parallelism's slices).
     """
 
     @staticmethod

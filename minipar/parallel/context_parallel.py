@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from minipar import ops
+from minipar import ops, precision
 from minipar.autograd import Context, Function, Tensor
 from minipar.backend import is_low_precision, to_device, xp
 from minipar.comm import Communicator
@@ -296,16 +296,11 @@ def context_parallel(model: GPT, comm: Communicator, kind: str = "ring", split: 
 
 
 def token_amax(comm: Communicator, recipe: Any) -> Any:
-    """FP8 scales under context parallelism (precision.quantize's ``reduce_amax``): a rank holds pieces of every
-    sequence, so a group of values across tokens — a tensorwise activation or output gradient, or rowwise's
-    columns along the tokens of the weight-gradient GEMM — takes its amax over the cp ranks (one all-reduce of
-    max, label ``fp8_amax``), as one process scales the whole sequences; a token's own row stays local, and the
-    weight is whole on every cp rank."""
-    def reduce(role: str, axis: int, amax: Any) -> Any:
-        if role == "weight" or (recipe.per_row and axis != 0):
-            return amax
-        return comm.all_reduce(np.ascontiguousarray(amax, dtype=np.float32), op="max", label="fp8_amax")
-    return reduce
+    """FP8 scales under context parallelism: a rank holds pieces of every sequence, so the activations and output
+    gradients are cut along their tokens (axis 0) over the cp ranks — a tensorwise one, or rowwise's columns along
+    the tokens of the weight-gradient GEMM, takes its amax over them (precision.amax_over); a token's own row
+    stays local, and the weight is whole on every cp rank."""
+    return precision.amax_over(comm, recipe, {"input": 0, "grad": 0})
 
 
 def context_report(model: GPT, cp_comm: Communicator) -> dict[str, float]:

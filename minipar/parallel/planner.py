@@ -18,8 +18,9 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
               (v = 2 for DualPipeV's V) one activation
               forward, one gradient back: 2v(α + t·C·itemsize·β) (÷tp with ``p2p_split``)
     data      ring reduce-scatter + all-gather of the rank's Ψ_l = Ψ_stage/tp parameters, (dp−1)/dp·Ψ_l·itemsize·β
-              each (a ZeRO-3 gather 1 byte per block Linear weight element under tensorwise FP8), of which ``overlap`` hides behind backward (hybrid sharding over K: the ring within K ranks,
-              then an all-reduce of Ψ_l/K across the dp/K groups); ZeRO-2/3 reduce-scatter after each of the m
+              each (a ZeRO-3 gather 1 byte per block Linear weight element under tensorwise FP8), of which
+              ``overlap`` hides behind backward (hybrid sharding over K: the ring within K ranks, then an
+              all-reduce of Ψ_l/K across the dp/K groups); ZeRO-2/3 reduce-scatter after each of the m
               microbatches (:func:`data_parallel_passes`); ZeRO-3 all-gathers Ψ_l per microbatch forward and
               backward, prefetched: exposed is what compute (× ``overlap``) cannot hide, at least one unit's
               gather; + the AdamW pass

@@ -169,24 +169,11 @@ def _shard_used(p: Parameter, comm: Communicator | None) -> Tensor:
     return p if comm is None else CopyToTensorParallel.apply(p, comm, "sp_params")
 
 
-def split_amax(comm: Communicator, recipe: Any, split: dict[str, int], then: Any = None) -> Any:
-    """FP8 scales under tensor parallelism (precision.quantize's ``reduce_amax``): a group of values that spans the
-    ranks' slices gets its amax from all of them — one all-reduce of max (label ``fp8_amax``), of one number per
-    tensor (tensorwise) or per row (rowwise) — so every rank scales its slice as one process scales the whole.
-    ``split``: role -> the axis along which that operand is cut over the ranks (a role absent: replicated, local).
-    Tensorwise: every cut operand; rowwise: a row along the cut axis. ``then``: a further reduction (context
-    parallelism's, over the ranks holding other tokens)."""
-    def reduce(role: str, axis: int, amax: Any) -> Any:
-        cut = split.get(role)
-        if cut is not None and (not recipe.per_row or axis == cut):
-            amax = comm.all_reduce(np.ascontiguousarray(amax, dtype=np.float32), op="max", label="fp8_amax")
-        return amax if then is None else then(role, axis, amax)
-    return reduce
-
-
 def _fp8_linear(module: Any, x: Tensor, w: Tensor, b: Tensor | None, split: dict[str, int]) -> Tensor:
-    """x·w (+ b) in FP8 under ``module.fp8`` with the amax of cut operands reduced over the tp group."""
-    return precision.linear(x, w, module.fp8, b, reduce_amax=split_amax(module.comm, module.fp8, split, module.fp8_reduce))
+    """x·w (+ b) in FP8 under ``module.fp8``: a scale whose group spans the tp slices (``split``: role -> the axis
+    cut over tp) takes its amax over the group (precision.amax_over), then over cp (``module.fp8_reduce``)."""
+    return precision.linear(x, w, module.fp8, b,
+                            reduce_amax=precision.amax_over(module.comm, module.fp8, split, module.fp8_reduce))
 
 
 class ColumnParallelLinear(Module):
