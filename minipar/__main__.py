@@ -124,8 +124,11 @@ def plan_command(args: argparse.Namespace) -> None:
     profile = plan_profile(args)
     if args.memory_gb:
         profile = dataclasses.replace(profile, memory=args.memory_gb * 1e9)
-    itemsize = planner.ITEMSIZE[args.dtype]
-    predictions = planner.plan(cfg, args.world, args.batch_size, profile, itemsize, args.recompute, not args.no_context)
+    if args.fp8_recipe and args.dtype not in (None, "bfloat16"):
+        raise ValueError(f"--fp8-recipe plans FP8 training, which stores in bfloat16: drop --dtype {args.dtype}")
+    dtype = "bfloat16" if args.fp8_recipe else args.dtype or "float32"
+    predictions = planner.plan(cfg, args.world, args.batch_size, profile, planner.ITEMSIZE[dtype], args.recompute,
+                               not args.no_context, fp8_recipe=args.fp8_recipe)
     if args.layout:
         wanted = dict(part.split("=") for part in args.layout.split(","))
         predictions = [p for p in predictions if all(str(getattr(p.layout, k)) == v for k, v in wanted.items())]
@@ -135,7 +138,9 @@ def plan_command(args: argparse.Namespace) -> None:
     experts = f" E={cfg.n_expert} top-{cfg.expert_top_k}" if cfg.n_expert else ""
     kv = f" K={cfg.kv_heads}" if cfg.kv_heads != H else ""
     print(f"{cfg.display_name} L={L} H={H}{kv} C={C} T={T} V={V}{experts} ({cfg.num_parameters() / 1e6:,.1f} M params), "
-          f"batch {args.batch_size}, {args.dtype}, {args.world} × {profile.name} ({profile.memory / 1e9:.0f} GB)")
+          f"batch {args.batch_size}, {dtype}, {args.world} × {profile.name} ({profile.memory / 1e9:.0f} GB)")
+    if args.fp8_recipe:
+        print(planner.fp8_assumptions(args.fp8_recipe, profile))
     print(planner.format_plan(predictions, args.top, flops))
 
 
@@ -166,6 +171,7 @@ def plan_profile(args: argparse.Namespace) -> Any:
 
 def build_parser() -> argparse.ArgumentParser:
     from minipar.cli import HelpWithDefaults, add_arguments
+    from minipar.precision import RECIPES
 
     parser = argparse.ArgumentParser(prog="python -m minipar", description=__doc__.split("(or")[0].strip(" `"))
     commands = parser.add_subparsers(dest="command", required=True, metavar="{train,generate,plan,trace-plot,plot,export}")
@@ -204,8 +210,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--expert-top-k", type=int, default=2, help="experts per token")
     pl.add_argument("--capacity-factor", type=float, default=1.25, help="expert capacity factor")
     pl.add_argument("--batch-size", type=int, default=16, help="global batch, in sequences")
-    pl.add_argument("--dtype", choices=["float64", "float32", "bfloat16", "float16"], default="float32",
-                    help="activation and message element type")
+    pl.add_argument("--dtype", choices=["float64", "float32", "bfloat16", "float16"],
+                    help="activation and message element type (default: float32; bfloat16 with --fp8-recipe)")
+    pl.add_argument("--fp8-recipe", choices=list(RECIPES),
+                    help="plan --precision fp8 training under this recipe (its GEMMs at the profile's FP8 rate)")
     pl.add_argument("--profile", help="a100-80gb, h100-80gb, or a profile JSON (default: this machine's calibration "
                                       "for --world ranks, measured on first use)")
     pl.add_argument("--memory-gb", type=float, help="override the profile's device memory")

@@ -71,6 +71,7 @@ class Context:
 
     needs_input_grad: tuple[bool, ...]
     storage: Any = None  # autocast: the 16-bit dtype this node's arrays are kept in (None: no autocast)
+    unread: tuple[int, ...] = ()  # inputs whose arrays backward never reads (it saved what it needs: release_unread)
 
     def save_for_backward(self, *arrays: Any) -> None:
         self._saved = tuple(_store(a, self.storage) for a in arrays) if self.storage is not None else arrays
@@ -101,6 +102,7 @@ class Tensor:
         self.grad: Any = None
         self._ctx: Context | None = None  # set by Function.apply on non-leaf tensors
         self._hooks: list[Callable[[Tensor], None]] = []
+        self._readers = 0  # recorded consumers whose backward reads this array (release_unread)
 
     # ---- array-like facts ----
     shape = property(lambda self: self.data.shape)
@@ -290,7 +292,30 @@ class Function:
         if any(ctx.needs_input_grad):
             ctx.fn, ctx.inputs = cls, args
             out.requires_grad, out._ctx = True, ctx
+            for i, a in enumerate(args):
+                if isinstance(a, Tensor) and i not in ctx.unread:
+                    a._readers += 1
         return out
+
+
+def release_unread(out: Tensor, start: Tensor) -> None:
+    """Give back the arrays of the tensors between ``start`` and ``out`` that no backward will read.
+
+    The graph keeps every op's output alive until backward (its consumers' contexts hold it). A Function whose
+    backward needs less than its input — an FP8 Linear keeps its input's FP8 codes instead (precision.py) — lists
+    that input in ``ctx.unread``; once every consumer of a tensor has, the tensor's array is dead weight. Which
+    consumers a tensor has is known only when nothing else can consume it: a block's internal tensors, once the
+    block has returned ``out`` from ``start`` (models/gpt.py's Block). The walk visits them and drops each one's
+    ``data``; ``out``, ``start`` and leaves (parameters) keep theirs."""
+    seen, stack = {id(start), id(out)}, [out]
+    while stack:
+        node = stack.pop()
+        for inp in node._ctx.inputs if node._ctx is not None else ():
+            if isinstance(inp, Tensor) and inp._ctx is not None and id(inp) not in seen:
+                seen.add(id(inp))
+                stack.append(inp)
+                if inp._readers == 0:
+                    inp.data = None
 
 
 def _compute(a: Any) -> Any:

@@ -95,6 +95,11 @@ class Recipe:
     power_of_two: bool    # scales rounded down to a power of two
     mx: bool              # OCP MX: X = 2^(⌊log₂ amax⌋ − emax), stored as e8m0
 
+    @property
+    def one_scale(self) -> bool:
+        """One scale per tensor: a quantized operand serves the GEMMs of both its axes (tensorwise)."""
+        return not self.per_row
+
     def format(self, role: str) -> Format:
         if role not in ("input", "weight", "grad"):
             raise ValueError(f"unknown role {role!r}: expected 'input', 'weight' or 'grad'")
@@ -236,8 +241,13 @@ def fake_quantize(x: Any, recipe: Recipe, role: str, axis: int = -1, reduce_amax
 class FP8Linear(Function):
     """y = x W + b with every GEMM on quantized operands (module docstring); W is (in, out).
 
-    Forward keeps x and W in their own (16-bit) precision and quantizes them again in backward along the other
-    GEMMs' contraction dimensions. Costs what Linear costs, plus a quantization pass over each operand per GEMM.
+    What backward keeps of x: tensorwise, whose one scale serves both GEMMs that take x, keeps the forward's FP8
+    codes — 1 byte per element instead of bf16's 2, the same codes a requantization would give — and declares x
+    unread (autograd.release_unread gives its array back when nothing else reads it); the other recipes scale x
+    along another axis for the weight gradient and keep x in bf16 to quantize it again from the one value (torchao
+    keeps its high-precision input; DeepSeek-V3 keeps 1×128 FP8 tiles and re-tiles them, a second rounding).
+    W is read again in backward and quantized along the other GEMM's axis. Costs what Linear costs, plus a
+    quantization pass over each operand per GEMM.
     ``gathered`` (tensorwise only): a function returning W as ZeRO-3 all-gathered it in FP8, (q, s), used in both
     GEMMs that take W instead of quantizing it here — the same codes, since every rank quantized its shard with
     the whole weight's scale (parallel/zero.py); it is asked for again in backward, after the unit's regather.
@@ -248,23 +258,27 @@ class FP8Linear(Function):
     def forward(ctx: Context, x: Any, w: Any, b: Any, recipe: Recipe, gathered: Any = None,
                 reduce_amax: Any = None) -> Any:
         ctx.recipe, ctx.has_bias, ctx.gathered, ctx.reduce_amax = recipe, b is not None, gathered, reduce_amax
-        x2 = x.reshape(-1, x.shape[-1])
-        out = fake_quantize(x2, recipe, "input", 1, reduce_amax) @ _weight(ctx, w, 0)
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        x_q = quantize(x.reshape(-1, x.shape[-1]), recipe, "input", 1, reduce_amax)
+        if recipe.one_scale:
+            ctx.x_q, ctx.unread = x_q, (0,)  # the codes, not x (not through save_for_backward: s stays float32)
+        out = dequantize(*x_q, recipe, "input", 1) @ _weight(ctx, w, 0)
         if b is not None:
             out += to_host(b)
         return to_device(out.reshape(*x.shape[:-1], out.shape[-1]), dtype=x.dtype)
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
-        x, w, recipe = ctx.input(0), ctx.input(1), ctx.recipe
-        g2, x2 = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+        w, recipe, reduce = ctx.input(1), ctx.recipe, ctx.reduce_amax
+        g2 = g.reshape(-1, g.shape[-1])
         gx = gw = gb = None
-        reduce = ctx.reduce_amax
         if ctx.needs_input_grad[0]:
             gx = fake_quantize(g2, recipe, "grad", 1, reduce) @ _weight(ctx, w, 1).T
-            gx = to_device(gx.reshape(x.shape), dtype=x.dtype)
+            gx = to_device(gx.reshape(ctx.x_shape), dtype=ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            gw = fake_quantize(x2, recipe, "input", 0, reduce).T @ fake_quantize(g2, recipe, "grad", 0, reduce)
+            x_t = (dequantize(*ctx.x_q, recipe, "input", 0) if recipe.one_scale else
+                   fake_quantize(ctx.input(0).reshape(-1, ctx.x_shape[-1]), recipe, "input", 0, reduce))
+            gw = x_t.T @ fake_quantize(g2, recipe, "grad", 0, reduce)
             gw = to_device(gw, dtype=w.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g2.sum(axis=0)

@@ -147,6 +147,38 @@ def test_activation_memory_is_korthikantis_table():
     assert ulysses - ring == pytest.approx(L * 5 * a * b * (s * s / cp - (s / cp) ** 2), rel=1e-12)
 
 
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, False), (2, True)])
+def test_fp8_terms_are_their_closed_forms(tp, sp):
+    """FP8 (tensorwise) keeps each block Linear's input as 1-byte codes: per layer GPT saves c_attn's and c_fc's
+    inputs (s·b·h bytes each, whole on every tp rank) and c_proj's and the MLP c_proj's (s·b·h and 4·s·b·h, split;
+    with sp everything is split); rowwise keeps bf16. The GEMMs of those Linears, 2·t·12h² FLOPs per pass and layer
+    (÷tp), run at fp8_flops instead of flops."""
+    s, b, h, L = CFG.block_size, 16, CFG.n_embd, CFG.n_layer
+    bf16 = planner.Layout(tp=tp, sp=sp, precision="bf16-mixed")
+    fp8, rowwise = (dataclasses.replace(bf16, precision="fp8", fp8_recipe=r) for r in ("tensorwise", "rowwise"))
+    activations = {lay: planner.memory_per_rank(CFG, b, lay, itemsize=2)[1] for lay in (bf16, fp8, rowwise)}
+    saved = (2 + 5) / tp if sp else 2 + 5 / tp
+    assert activations[bf16] - activations[fp8] == pytest.approx(L * s * b * h * saved, rel=1e-12)
+    assert activations[rowwise] == activations[bf16]
+    flat = planner.Profile("flat", flops=1e12, bandwidth=1e12, op_overhead=0.0, memory=1e12, devices_per_node=8,
+                           intra=planner.Link(0, 0), inter=planner.Link(0, 0), fp8_flops=4e12)
+    compute = {lay: planner.predict(CFG, b, lay, flat, 2).breakdown["compute"] for lay in (bf16, fp8)}
+    linear = 3 * L * 2 * (b * s) * 12 * h * h / tp
+    assert compute[bf16] - compute[fp8] == pytest.approx(linear / 1e12 - linear / 4e12, rel=1e-12)
+    no_fp8 = dataclasses.replace(flat, fp8_flops=0.0)  # an A100: FP8 GEMMs at the bf16 rate
+    assert planner.predict(CFG, b, fp8, no_fp8, 2).breakdown["compute"] == compute[bf16]
+
+
+def test_plan_says_which_fp8_recipe_it_assumed():
+    command = [sys.executable, "-m", "minipar", "plan", "--world", "4", "--profile", "h100-80gb", "--top", "2"]
+    out = subprocess.run([*command, "--fp8-recipe", "rowwise"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "bfloat16" in out.stdout and "fp8 rowwise: the block Linears' GEMMs at 1,979 TFLOP/s" in out.stdout
+    bad = subprocess.run([*command, "--fp8-recipe", "rowwise", "--dtype", "float32"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode != 0 and "stores in bfloat16" in bad.stderr.strip().splitlines()[-1]
+
+
 def test_builtin_profiles_links_inside_a_node_are_the_faster():
     for profile in planner.BUILTIN_PROFILES.values():  # NVLink against one NIC per GPU
         assert profile.intra.alpha < profile.inter.alpha and profile.intra.beta < profile.inter.beta
@@ -183,6 +215,7 @@ def test_calibration_measures_this_machine(tmp_path):
     profile = planner.Profile.load(str(path))
     assert profile.flops > 1e8 and profile.bandwidth > 1e8 and profile.intra.alpha > 0 and profile.cores >= 1
     assert set(profile.gemm_flops_by_rows) == {"16", "64", "256", "1024", "4096"} and "2" in profile.alpha_by_group
+    assert 0 < profile.fp8_flops < profile.flops  # the emulation quantizes both operands before its float32 GEMM
 
 
 def test_plan_command_prints_a_ranking():

@@ -417,3 +417,37 @@ def _context_parallel_fp8(name):
 @pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
 def test_context_parallel_fp8_scales_span_the_tokens(name):
     run_ranks(2, _context_parallel_fp8, name)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_tensorwise_keeps_fp8_codes_of_the_linear_inputs(arch):
+    """What one forward keeps, traced: under tensorwise every block Linear keeps its input's FP8 codes (1 byte) and
+    its bf16 input is given back — per block and token ln_1's and ln_2's outputs and the attention output (h each)
+    and the MLP's hidden activation (GPT: GELU's 4h; Llama: the SwiGLU product, I) — so bf16 − fp8 = L·s·b·(3h + I)
+    bytes; rowwise quantizes x again along the tokens for the weight gradient and keeps it in bf16: no saving.
+    Tolerance: the Python headers of each Linear's codes and scale (~0.7 KB per Linear)."""
+    import tracemalloc
+
+    from minipar.models import config_from_dict, build_model
+
+    L, T, B, C, inner = 2, 64, 3, 64, (4 * 64 if arch == "gpt2" else 96)
+    cfg = config_from_dict(dict(arch=arch, vocab_size=256, block_size=T, n_layer=L, n_head=4, n_embd=C,
+                                dtype="bfloat16", **({"n_inner": inner} if arch == "llama" else {})))
+    x = np.random.default_rng(0).integers(0, 256, (B, T))
+
+    def kept(recipe):
+        model = build_model(cfg)
+        if recipe:
+            model.set_fp8(precision.recipe(recipe))
+        model(x, x)[1].backward()  # first-use caches out of the way
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            _, loss = model(x, x)
+            return tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+
+    bf16, tensorwise, rowwise = kept(None), kept("tensorwise"), kept("rowwise")
+    assert bf16 - tensorwise == pytest.approx(L * T * B * (3 * C + inner), abs=4 * L * 1024)
+    assert abs(bf16 - rowwise) < 4 * L * 1024

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from minipar import ops
-from minipar.autograd import Tensor, no_grad
+from minipar.autograd import Tensor, no_grad, release_unread
 from minipar.backend import resolve_dtype, to_device, to_host, xp
 from minipar.safetensors_io import (DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, stored_dtypes,
                                     write_hf_weights)
@@ -93,6 +93,13 @@ class GPTConfig:
         what tensor parallelism splits — q, k, v, the attention output, the MLP's 4h-wide activations)."""
         return 10.0, 24.0
 
+    def fp8_input_units(self) -> tuple[float, float]:
+        """Of :meth:`activation_units`, the inputs of the block's FP8 Linears, (whole, split): c_attn's and a dense
+        c_fc's (2 + 2); the attention output c_proj takes (2) and the MLP's mlp_width-wide input of its c_proj
+        (2·width/h) — what tensorwise FP8 keeps as 1-byte codes instead (precision.FP8Linear), half of these."""
+        dense = 0.0 if self.n_expert else 2.0
+        return 2.0 + dense, 2.0 + dense * self.mlp_width / self.n_embd
+
     def attention_scale(self, layer: int) -> float:
         """The factor on layer ``layer``'s attention scores, as Hugging Face's GPT-2 computes it."""
         scale = 1.0 / math.sqrt(self.head_dim) if self.scale_attn_weights else 1.0
@@ -153,7 +160,9 @@ class Block(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.recompute:
-            return self.body(x)
+            y = self.body(x)
+            release_unread(y, x)  # FP8 Linears' inputs: they keep their FP8 codes (precision.py)
+            return y
         side = getattr(self.mlp, "aux_loss", False) is not False  # a MoE layer: its balancing loss rides along
         y = ops.recompute(self.body, x, (lambda: self.mlp.aux_loss) if side else None)
         if side:

@@ -39,6 +39,8 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
               reduce over dp·cp/ep ranks. Under tp a MoE MLP needs no all-reduce (2 per layer, not 4);
               under sp it gathers its input and the gradient of its output (1 all-reduce's worth more);
               under cp each MoE layer all-gathers the routing choices, t·k int64 per rank
+    fp8       (--precision fp8) the block Linears' GEMMs at ``fp8_flops`` (the rest at the bf16 rate); ZeRO-3 gathers
+              their weights in e4m3 under tensorwise (:func:`gathered_bytes`)
     links     a group inside one node (``devices_per_node``) uses ``intra``, else ``inter`` (α, β)
 
 Memory per device: model states (``model_state_bytes``; mixed precision 16Ψ_l (DP), 4Ψ_l + 12Ψ_l/dp (ZeRO-1),
@@ -49,7 +51,8 @@ parallelism s·b·h·(34/tp + 5·a·s/(h·tp)), with context parallelism s = T/c
 score term of the full T for a/cp heads: 5·a·T²/(cp·h·tp)), for the microbatches a stage holds at once
 (the schedule's ``peak_microbatches()``: GPipe m, 1F1B and ZB-H1 min(pp, m), interleaved ((pp−1)·2 + (v−1)·pp + 1)/v,
 DualPipeV (2pp + 1)/2),
-without the 5·a·s/h term under selective recomputation, or just the layer inputs (+ one layer) with full
+less half of the block Linears' inputs under tensorwise FP8 (kept as 1-byte codes: ``cfg.fp8_input_units()``,
+GPT (2 + 5/tp)·sbh), without the 5·a·s/h term under selective recomputation, or just the layer inputs (+ one layer) with full
 recomputation, plus the logits of the last stage.
 A mixture-of-experts MLP holds its 4h-wide intermediates for c·k·s·b rows, whole on every tp rank:
 16·c·k instead of 16/tp of the linear term.
@@ -71,6 +74,7 @@ import numpy as np
 
 from minipar.backend import physical_memory
 from minipar.parallel.layout import RECOMPUTE, Layout
+from minipar.precision import RECIPES, fake_quantize
 from minipar.safetensors_io import atomic_write
 
 
@@ -101,6 +105,8 @@ class Profile:
     gemm_flops_by_rows: dict[str, float] = field(default_factory=dict)  # measured FLOP/s of an (M×C)(C×4C) GEMM by M
     alpha_by_group: dict[str, float] = field(default_factory=dict)      # ring step latency with every rank busy, by group size
     gemm_efficiency: float = 1.0  # ... × the share of it a large GEMM reaches (GPU: fitted, validation.py)
+    fp8_flops: float = 0.0       # FP8 GEMM FLOP/s, as ``flops`` is bf16's (0: no FP8 tensor cores — an A100 — the
+                                 # GEMMs run at the bf16 rate); a CPU's: minipar's emulation, quantization included
 
     def gemm_flops(self, rows: float) -> float:
         """Achieved GEMM FLOP/s for ``rows``-row operands: log-interpolated from the calibration table, else ``flops``."""
@@ -109,6 +115,10 @@ class Profile:
         points = sorted((int(k), v) for k, v in self.gemm_flops_by_rows.items())
         xs, ys = np.log([p[0] for p in points]), [p[1] for p in points]
         return float(np.interp(np.log(max(rows, 1.0)), xs, ys)) * self.gemm_efficiency
+
+    def fp8_gemm_flops(self, rows: float) -> float:
+        """Achieved FP8 GEMM FLOP/s for ``rows``-row operands: :meth:`gemm_flops` × fp8_flops / flops."""
+        return self.gemm_flops(rows) * (self.fp8_flops / self.flops if self.fp8_flops else 1.0)
 
     def link(self, group: int, span: int) -> Link:
         """The link of a ``group``-rank group spread over ``span`` consecutive ranks (latency as measured under load)."""
@@ -144,7 +154,8 @@ BUILTIN_PROFILES = {
                          overlap=0.9, passes_act=30.0, passes_replicated=22.0, passes_att=0.0, ops_per_layer=30.0),
     "h100-80gb": Profile("h100-80gb", flops=989e12, gemm_efficiency=0.75, bandwidth=0.8 * 3.35e12, op_overhead=6e-6,
                          memory=80e9, devices_per_node=8, intra=Link(6e-6, 1 / 360e9), inter=Link(12e-6, 1 / 45e9),
-                         overlap=0.9, passes_act=30.0, passes_replicated=22.0, passes_att=0.0, ops_per_layer=30.0),
+                         overlap=0.9, passes_act=30.0, passes_replicated=22.0, passes_att=0.0, ops_per_layer=30.0,
+                         fp8_flops=1979e12),
 }
 
 
@@ -182,14 +193,19 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     mlp_rows = expert_rows(cfg, t) if cfg.n_expert else t / tp  # a mixture-of-experts MLP is whole on every tp rank
     attention_weights, mlp_weights = cfg.layer_weights()
     mlp_weights = 8 * C * C if cfg.n_expert else mlp_weights  # each expert: a 4C GELU MLP (models/moe.py)
-    layer_flops = (2 * t * attention_weights / tp + 2 * mlp_rows * mlp_weights + attention_flops) * passes
-    layer_flops += attention_flops / 2 if recompute == "selective" else 0.0  # q·kᵀ again for the probabilities
+    flops = profile.gemm_flops(t)
+    linear_flops = (2 * t * attention_weights / tp + 2 * mlp_rows * mlp_weights) * passes
+    attention_flops_all = attention_flops * passes + (attention_flops / 2 if recompute == "selective" else 0.0)
+    if layout.precision == "fp8":  # the block Linears' GEMMs in FP8 (a MoE's experts stay bf16: precision.py)
+        fp8 = 2 * t * attention_weights / tp * passes + (0.0 if cfg.n_expert else 2 * mlp_rows * mlp_weights * passes)
+        gemm_time = fp8 / profile.fp8_gemm_flops(t) + (linear_flops - fp8 + attention_flops_all) / flops
+    else:
+        gemm_time = (linear_flops + attention_flops_all) / flops
     attention_passes = profile.passes_att * (1 + 0.4 if recompute == "selective" else passes / 3)  # forward ≈ 40%
     replicated = profile.passes_replicated * t * C / (tp if layout.sp else 1)
     layer_bytes = ((profile.passes_act * t * C / tp + replicated) * passes / 3
                    + attention_passes * b * H * T * T / (cp * tp)) * itemsize
-    flops = profile.gemm_flops(t)
-    layer_time = (layer_flops / flops + layer_bytes / profile.bandwidth + profile.ops_per_layer * profile.op_overhead)
+    layer_time = gemm_time + layer_bytes / profile.bandwidth + profile.ops_per_layer * profile.op_overhead
     head_time = 6 * t * C * V / tp / flops + 4 * t * V / tp * itemsize / profile.bandwidth
     tp_link = profile.link(tp, tp)
     # per layer and forward pass, in ring all-reduces of t·C: attention 1 and the MLP 1 — a MoE MLP none, or
@@ -336,6 +352,9 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
     if cfg.n_expert:
         linear += 16 * (cfg.capacity_factor * cfg.expert_top_k - 1 / tp)
     scores = 5 * H * T * T / (cp * s * C * tp) if layout.cp_kind == "ulysses" else 5 * H * s / (C * tp)
+    if layout.precision == "fp8" and layout.fp8().one_scale:  # tensorwise keeps its Linears' inputs in 1 byte
+        whole, split = cfg.fp8_input_units()
+        linear -= ((whole + split) / tp if layout.sp else whole + split / tp) / 2
     if layout.recompute == "selective":  # the attention probabilities are not kept (Korthikanti et al.)
         scores = 0.0
     per_layer_act = s * b * C * (linear + scores) * itemsize / 2
@@ -360,12 +379,15 @@ def model_state_bytes(psi: float, n: int, zero: int, itemsize: int) -> float:
 
 
 def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool | tuple[str, ...] = False,
-                      context: bool = True, schedules: tuple[str, ...] = SEARCHED_SCHEDULES) -> list[Layout]:
+                      context: bool = True, schedules: tuple[str, ...] = SEARCHED_SCHEDULES,
+                      fp8_recipe: str | None = None) -> list[Layout]:
     """Every layout of the search space that :meth:`Layout.validate` accepts. The space: dp·tp·pp·cp = world;
     microbatches 1, 2, 4, … and B/dp (b = 1); ZeRO 0-3 and, for ZeRO-3, hybrid groups of 2, 4, … ranks;
     ring and Ulysses, with and without sp; with experts every ep that divides dp·cp; with pp ≥ 2 each of
     ``schedules`` (interleaved: 2 chunks per rank); ``recompute`` True for every mode, a tuple for those modes,
-    False for none. ``context=False`` leaves out context and sequence parallelism."""
+    False for none. ``context=False`` leaves out context and sequence parallelism. ``fp8_recipe``: every layout
+    trains under ``--precision fp8`` with that recipe (what Layout refuses with it drops out)."""
+    precision = dict(precision="fp8", fp8_recipe=fp8_recipe) if fp8_recipe else {}
     modes = recompute if isinstance(recompute, tuple) else RECOMPUTE if recompute else ("none",)
     layouts = []
     for tp in divisors(world):
@@ -385,10 +407,20 @@ def enumerate_layouts(cfg: Any, world: int, batch_size: int, recompute: bool | t
                                 for k in ([0, *(k for k in divisors(dp * cp) if k & (k - 1) == 0 and 1 < k < dp * cp)]
                                           if zero == 3 else [0]):
                                     layout = Layout(dp, tp, pp, zero, m, schedule, r, cp, kind, sp, ep,
-                                                    2 if schedule == "interleaved" else 1, k)
+                                                    2 if schedule == "interleaved" else 1, k, **precision)
                                     if layout.accepts(cfg, batch_size):
                                         layouts.append(layout)
     return layouts
+
+
+def fp8_assumptions(recipe: str, profile: Profile) -> str:
+    """What the planner assumed of FP8 training under ``recipe`` on ``profile``, in one line."""
+    rate = (f"at {profile.fp8_flops / 1e12:,.4g} TFLOP/s peak (bf16: {profile.flops / 1e12:,.4g})" if profile.fp8_flops
+            else f"at the bf16 rate ({profile.name} has no FP8 GEMM rate)")
+    tensorwise = recipe == "tensorwise"
+    return (f"fp8 {recipe}: the block Linears' GEMMs {rate}; embedding, head, attention and experts in bf16; ZeRO-3 "
+            f"gathers weights in {'e4m3 (1 byte + a scale each)' if tensorwise else 'bf16 (FP8 gathers: tensorwise only)'}; "
+            f"Linear inputs kept for backward in {'1 byte' if tensorwise else 'bf16'}")
 
 
 def divisors(n: int) -> list[int]:
@@ -397,10 +429,11 @@ def divisors(n: int) -> list[int]:
 
 def plan(cfg: Any, world: int, batch_size: int, profile: Profile, itemsize: int = 4,
          recompute: bool | tuple[str, ...] = False, context: bool = True,
-         schedules: tuple[str, ...] = SEARCHED_SCHEDULES) -> list[Prediction]:
-    """All layouts, feasible ones first, each group by predicted step time."""
+         schedules: tuple[str, ...] = SEARCHED_SCHEDULES, fp8_recipe: str | None = None) -> list[Prediction]:
+    """All layouts, feasible ones first, each group by predicted step time (``fp8_recipe``: under FP8 training,
+    which stores in bf16: ``itemsize`` 2)."""
     predictions = [predict(cfg, batch_size, lay, profile, itemsize)
-                   for lay in enumerate_layouts(cfg, world, batch_size, recompute, context, schedules)]
+                   for lay in enumerate_layouts(cfg, world, batch_size, recompute, context, schedules, fp8_recipe)]
     if not predictions:
         raise ValueError(f"no layout of {world} ranks fits this model and batch (check n_head, n_layer, batch size)")
     return sorted(predictions, key=lambda p: (not p.feasible, p.step_time))
@@ -423,7 +456,8 @@ def calibrate(comm: Any, memory_bytes: float | None = None) -> Profile:
     """Measure this machine (all ranks must call; run with as many ranks as you will plan for):
 
     * on rank 0 alone (the others sleep, so it has the machine): GEMM FLOP/s for 16 … 4096-row
-      operands, memory bandwidth, the cost of one small numpy op; then the same GEMMs on all ranks
+      operands, an FP8 GEMM's as minipar emulates it (tensorwise quantization of both operands, then the
+      float32 GEMM: ``fp8_flops``), memory bandwidth, the cost of one small numpy op; then the same GEMMs on all ranks
       at once: the ratio is how much slower a rank computes when the ranks share the cores;
     * α, β of a ping-pong between ranks 0 and 1;
     * the latency of one ring step with *every* rank busy — computing between all-reduces, as in
@@ -437,6 +471,11 @@ def calibrate(comm: Any, memory_bytes: float | None = None) -> Profile:
         for rows in (16, 64, 256, 1024, 4096):
             a, w = rng.standard_normal((rows, 256)).astype(np.float32), rng.standard_normal((256, 1024)).astype(np.float32)
             gemm[str(rows)] = 2 * rows * 256 * 1024 / _best_of(lambda: a @ w)
+        a, w = rng.standard_normal((1024, 256)).astype(np.float32), rng.standard_normal((256, 1024)).astype(np.float32)
+        tensorwise = RECIPES["tensorwise"]  # an FP8 GEMM as minipar emulates it: both operands quantized, then float32
+        fp8 = 2 * 1024 * 256 * 1024 / _best_of(lambda: fake_quantize(a, tensorwise, "input")
+                                               @ fake_quantize(w, tensorwise, "weight", 0))
+        gemm["fp8"] = max(gemm.values()) * fp8 / gemm["1024"]
         big = np.ones(8 << 20, np.float32)
         out = np.empty_like(big)
         bandwidth = 2 * big.nbytes / _best_of(lambda: np.multiply(big, 1.5, out=out))
@@ -480,11 +519,12 @@ def calibrate(comm: Any, memory_bytes: float | None = None) -> Profile:
             alpha_by_group[str(group)] = float(comm.all_reduce(np.array([step]), op="max", label="calibration")[0])
         group *= 2
     link = Link(alpha, beta)
+    fp8_flops = local["gemm"].pop("fp8")
     return Profile("cpu (calibrated)", flops=max(local["gemm"].values()), bandwidth=local["bandwidth"],
                    op_overhead=local["layer_overhead"], ops_per_layer=1.0, memory=memory_bytes or physical_memory(),
                    devices_per_node=max(comm.size, 64), intra=link, inter=link, overlap=0.3, cores=os.cpu_count() or 1,
                    contention=contention,
-                   gemm_flops_by_rows=local["gemm"], alpha_by_group=alpha_by_group)
+                   gemm_flops_by_rows=local["gemm"], alpha_by_group=alpha_by_group, fp8_flops=fp8_flops)
 
 
 def _layer_overhead() -> float:
