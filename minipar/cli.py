@@ -26,6 +26,7 @@ from minipar.comm import Communicator
 from minipar.data import Batches, load_tokens, split_tokens, tokenizer_for
 from minipar.models import config_from_hf
 from minipar.models.gpt import RECOMPUTE, GPTConfig
+from minipar.models.deepseek import DeepSeekConfig
 from minipar.models.llama import LlamaConfig
 from minipar.parallel import planner
 from minipar.parallel.compression import COMPRESSIONS
@@ -54,19 +55,34 @@ class HelpWithDefaults(argparse.HelpFormatter):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model")
-    model.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2",
+    model.add_argument("--arch", choices=["gpt2", "llama", "deepseek"], default="gpt2",
                        help="gpt2: learned positions, LayerNorm, GELU MLP, tied head; llama: RoPE, RMSNorm, SwiGLU, "
-                            "grouped-query attention, no biases, untied head (models/llama.py)")
+                            "grouped-query attention, no biases, untied head (models/llama.py); deepseek: Llama with "
+                            "DeepSeek-V3's multi-head latent attention and multi-token prediction (models/deepseek.py)")
     model.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
     model.add_argument("--n-head", type=int, default=4, help="attention heads")
     model.add_argument("--n-kv-head", type=int, help="llama: key/value heads, a divisor of --n-head (default: --n-head)")
-    model.add_argument("--n-inner", type=int, help="llama: the SwiGLU width (default: Meta's rule, 8·C/3 rounded up "
-                                                   "to a multiple of 256)")
-    model.add_argument("--rope-theta", type=float, default=10000.0, help="llama: the RoPE base θ")
-    model.add_argument("--tie-embeddings", action="store_true", help="llama: the head shares the token embedding")
+    model.add_argument("--n-inner", type=int, help="llama, deepseek: the SwiGLU width (default: Meta's rule, 8·C/3 "
+                                                   "rounded up to a multiple of 256)")
+    model.add_argument("--rope-theta", type=float, default=10000.0, help="llama, deepseek: the RoPE base θ")
+    model.add_argument("--tie-embeddings", action="store_true",
+                       help="llama, deepseek: the head shares the token embedding")
+    model.add_argument("--q-lora-rank", type=int, default=0,
+                       help="deepseek: the query latent's width (0: queries from one projection)")
+    model.add_argument("--kv-lora-rank", type=int, default=0,
+                       help="deepseek: the key/value latent's width, what a token caches (0: 4·C/H, V3's ratio)")
+    model.add_argument("--qk-nope-head-dim", type=int, default=0,
+                       help="deepseek: a head's query/key dimensions without position (0: C/H)")
+    model.add_argument("--qk-rope-head-dim", type=int, default=0,
+                       help="deepseek: the rotated dimensions, one key shared by the heads (0: C/H/2), even")
+    model.add_argument("--v-head-dim", type=int, default=0, help="deepseek: a head's value width (0: C/H)")
+    model.add_argument("--mtp-depth", type=int, default=0,
+                       help="deepseek: multi-token prediction modules D (module k predicts token t+k+1)")
+    model.add_argument("--mtp-weight", type=float, default=0.3,
+                       help="deepseek: λ, the loss is main + λ/D·Σ_k MTP loss_k (DeepSeek-V3: 0.3, later 0.1)")
     model.add_argument("--n-embd", type=int, default=128, help="model width C")
     model.add_argument("--block-size", type=int, default=128, help="context length T")
-    model.add_argument("--init-from", metavar="DIR", help="start from a Hugging Face GPT-2 or Llama checkpoint directory")
+    model.add_argument("--init-from", metavar="DIR", help="start from a Hugging Face GPT-2, Llama or DeepSeek-V3 checkpoint directory")
     model.add_argument("--n-expert", type=int, default=0,
                        help="mixture of experts: every MLP becomes this many experts behind a router (0: dense GPT-2)")
     model.add_argument("--expert-top-k", type=int, default=2, help="experts per token (1: Switch gate, >1: renormalized)")
@@ -232,14 +248,19 @@ def model_config(args: argparse.Namespace, resumed: Checkpoint | None = None) ->
     shared = dict(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                   n_embd=args.n_embd, dtype=model_dtype(args), n_expert=args.n_expert, expert_top_k=args.expert_top_k,
                   capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef)
-    if args.arch == "llama":
-        return LlamaConfig(**shared, n_kv_head=args.n_kv_head or 0, n_inner=args.n_inner or 0,
-                           rope_theta=args.rope_theta, tie_word_embeddings=args.tie_embeddings)
+    if args.arch in ("llama", "deepseek"):
+        llama = dict(n_kv_head=args.n_kv_head or 0, n_inner=args.n_inner or 0, rope_theta=args.rope_theta,
+                     tie_word_embeddings=args.tie_embeddings)
+        if args.arch == "llama":
+            return LlamaConfig(**shared, **llama)
+        return DeepSeekConfig(**shared, **llama, **{name: getattr(args, name) for name in DEEPSEEK_FLAGS})
     return GPTConfig(**shared)
 
 
+DEEPSEEK_FLAGS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_depth",
+                  "mtp_weight")
 MODEL_FLAGS = ("arch", "n_layer", "n_head", "n_embd", "block_size", "n_expert", "expert_top_k", "capacity_factor",
-               "aux_loss_coef", "n_kv_head", "n_inner", "rope_theta", "tie_embeddings")
+               "aux_loss_coef", "n_kv_head", "n_inner", "rope_theta", "tie_embeddings", *DEEPSEEK_FLAGS)
 FLAG_FIELDS = {"n_kv_head": "kv_heads", "n_inner": "mlp_width", "tie_embeddings": "tie_word_embeddings"}
 
 
@@ -260,8 +281,10 @@ FLAG_NEEDS: dict[str, tuple[str, Any]] = {
     "cp_split": ("--cp 2 or more", lambda a: a.cp > 1),
     "no_prefetch": ("--zero 3", lambda a: a.zero == 3),
     "save_interval": ("--save", lambda a: bool(a.save)),
-    **{name: ("--arch llama", lambda a: a.arch == "llama" or bool(a.resume))
-       for name in ("n_kv_head", "n_inner", "rope_theta", "tie_embeddings")},
+    **{name: ("--arch llama or deepseek", lambda a: a.arch in ("llama", "deepseek") or bool(a.resume))
+       for name in ("n_inner", "rope_theta", "tie_embeddings")},
+    "n_kv_head": ("--arch llama", lambda a: a.arch == "llama" or bool(a.resume)),
+    **{name: ("--arch deepseek", lambda a: a.arch == "deepseek" or bool(a.resume)) for name in DEEPSEEK_FLAGS},
 }
 
 

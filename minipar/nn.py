@@ -141,6 +141,9 @@ class Linear(Module):
     fp8: precision.Recipe | None = None
     fp8_weight: tuple[Any, Any] | None = None  # (q, s): the weight as ZeRO-3 gathered it in FP8, while it is whole
     fp8_reduce: Callable[..., Any] | None = None  # the amax over the ranks holding other tokens (context parallelism)
+    # how forward uses each parameter (as LayerNorm's): as it is, or — a projection every tp rank holds whole and
+    # runs on its sequence shard (parallel/tensor_parallel.py) — through an op that sums its gradients
+    param_use: Callable[[Parameter], Tensor] = staticmethod(lambda p: p)
 
     def __init__(self, n_in: int, n_out: int, bias: bool = True, dtype: str = "float32"):
         dt = resolve_dtype(dtype)
@@ -148,10 +151,11 @@ class Linear(Module):
         self.bias = Parameter(xp.zeros(n_out, dtype=dt)) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
+        w, b = self.param_use(self.weight), None if self.bias is None else self.param_use(self.bias)
         if self.fp8 is not None:
             gathered = (lambda: self.fp8_weight) if self.fp8_weight is not None else None
-            return precision.linear(x, self.weight, self.fp8, self.bias, gathered, self.fp8_reduce)
-        return ops.linear(x, self.weight, self.bias)
+            return precision.linear(x, w, self.fp8, b, gathered, self.fp8_reduce)
+        return ops.linear(x, w, b)
 
 
 class LayerNorm(Module):

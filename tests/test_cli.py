@@ -132,14 +132,18 @@ def test_every_mode_flag_is_refused_without_its_mode():
              "topk_ratio": ["0.1"], "powersgd_rank": ["2"], "outer_lr": ["1"], "outer_momentum": ["0.5"],
              "staleness": ["1"], "cp_kind": ["ulysses"], "cp_split": ["contiguous"], "no_prefetch": [],
              "save_interval": ["5"], "n_kv_head": ["2"], "n_inner": ["64"], "rope_theta": ["500"], "tie_embeddings": [],
-             "fp8_recipe": ["rowwise"], "fp8_block": ["16"]}
+             "fp8_recipe": ["rowwise"], "fp8_block": ["16"], "q_lora_rank": ["8"], "kv_lora_rank": ["8"],
+             "qk_nope_head_dim": ["4"], "qk_rope_head_dim": ["4"], "v_head_dim": ["4"], "mtp_depth": ["1"],
+             "mtp_weight": ["0.1"]}
     mode = {"loss_scale": ["--precision", "fp16-mixed"], "topk_ratio": ["--compression", "topk"],
             "powersgd_rank": ["--compression", "powersgd"], "cp_kind": ["--cp", "2"], "cp_split": ["--cp", "2"],
             "no_prefetch": ["--zero", "3"], "save_interval": ["--save", "ckpt"],
             **dict.fromkeys(("expert_top_k", "capacity_factor", "aux_loss_coef"), ["--n-expert", "4"]),
             **dict.fromkeys(("outer_lr", "outer_momentum", "staleness"), ["--local-sgd", "4"]),
             **dict.fromkeys(("n_kv_head", "n_inner", "rope_theta", "tie_embeddings"), ["--arch", "llama"]),
-            **dict.fromkeys(("fp8_recipe", "fp8_block"), ["--precision", "fp8"])}
+            **dict.fromkeys(("fp8_recipe", "fp8_block"), ["--precision", "fp8"]),
+            **dict.fromkeys(("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                             "mtp_depth", "mtp_weight"), ["--arch", "deepseek"])}
     assert set(given) == set(FLAG_NEEDS) == set(mode)
 
     def has_effect(argv):

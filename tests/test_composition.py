@@ -8,14 +8,14 @@ their own bounds elsewhere. The one-process reference routes the same token grou
 import pytest
 
 from minipar.checkpoint import load_checkpoint
-from minipar.models.gpt import GPTConfig
+from minipar.models import config_from_dict
 from minipar.parallel.layout import OPTIONS, TABLE_MODEL, combine
 from minipar.testing import assert_same_training, train_cli
 
 INEXACT = ("bf16-mixed", "fp16-mixed", "fp8", "compression", "local SGD")
 EXACT = [option for option in OPTIONS if option[0] not in INEXACT]
 ACCEPTED = [(a[0], b[0], *pair) for i, a in enumerate(EXACT) for b in EXACT[i + 1:]
-            if (pair := combine(a, b)) is not None and pair[0].accepts(GPTConfig(**TABLE_MODEL, **pair[1]),
+            if (pair := combine(a, b)) is not None and pair[0].accepts(config_from_dict({**TABLE_MODEL, **pair[1]}),
                                                                              16 * pair[0].dp)]
 SAMPLE = ACCEPTED[::9]  # every ninth of the accepted pairs, in table order
 
@@ -25,6 +25,8 @@ def _model(extra_model):
     flags = ["--n-layer", str(cfg["n_layer"]), "--n-head", str(cfg["n_head"]), "--n-embd", str(cfg["n_embd"]),
              "--block-size", str(cfg["block_size"]), "--steps", "6", "--warmup", "2", "--lr", "3e-3",
              "--dtype", "float64", "--eval-interval", "0", "--json"]
+    flags += ["--arch", cfg["arch"]] if "arch" in cfg else []
+    flags += ["--mtp-depth", str(cfg["mtp_depth"])] if "mtp_depth" in cfg else []
     return flags + (["--n-expert", str(cfg["n_expert"]), "--capacity-factor", "0.5"] if "n_expert" in cfg else [])
 
 

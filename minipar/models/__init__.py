@@ -1,4 +1,4 @@
-"""Model definitions: GPT-2 (gpt.py), Llama (llama.py), mixture-of-experts MLPs (moe.py) — and the three
+"""Model definitions: GPT-2 (gpt.py), Llama (llama.py), DeepSeek-V3 (deepseek.py), mixture-of-experts MLPs (moe.py) — and the three
 places that pick between the architectures: a config from its stored fields, a model from its config, a
 model from a Hugging Face directory."""
 from __future__ import annotations
@@ -6,9 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from minipar.models.gpt import GPT, GPTConfig, hf_config, read_hf_config
+from minipar.models.deepseek import DeepSeek, DeepSeekConfig, hf_deepseek_config
 from minipar.models.llama import Llama, LlamaConfig, hf_llama_config
 
-ARCHITECTURES = {"gpt2": (GPTConfig, GPT), "llama": (LlamaConfig, Llama)}
+ARCHITECTURES = {"gpt2": (GPTConfig, GPT), "llama": (LlamaConfig, Llama), "deepseek": (DeepSeekConfig, DeepSeek)}
+HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "deepseek_v3": "deepseek"}  # config.json's model_type -> arch
 
 
 def config_from_dict(fields: dict[str, Any]) -> GPTConfig:
@@ -23,17 +25,20 @@ def build_model(cfg: GPTConfig, seed: int = 0) -> GPT:
 
 def _hf_architecture(directory: str) -> str:
     model_type = read_hf_config(directory)[1].get("model_type", "gpt2")
-    if model_type not in ARCHITECTURES:
+    if model_type not in HF_MODEL_TYPES:
         raise ValueError(f"{directory}: model_type={model_type!r} is unsupported (minipar loads "
-                         f"{' and '.join(ARCHITECTURES)})")
-    return model_type
+                         f"{', '.join(HF_MODEL_TYPES)})")
+    return HF_MODEL_TYPES[model_type]
 
 
 def from_hf(directory: str, dtype: str | None = None) -> GPT:
-    """The model of a Hugging Face directory, by its config.json's ``model_type`` (``gpt2`` or ``llama``)."""
+    """The model of a Hugging Face directory, by its config.json's ``model_type`` (HF_MODEL_TYPES)."""
     return ARCHITECTURES[_hf_architecture(directory)][1].from_hf(directory, dtype)
 
 
 def config_from_hf(directory: str, dtype: str | None = None) -> GPTConfig:
     """The config :func:`from_hf` would build, without reading the weights."""
-    return (hf_llama_config if _hf_architecture(directory) == "llama" else hf_config)(directory, dtype)
+    arch = _hf_architecture(directory)
+    if arch == "deepseek":
+        return hf_deepseek_config(directory, dtype)[0]
+    return (hf_llama_config if arch == "llama" else hf_config)(directory, dtype)

@@ -72,6 +72,8 @@ class GPTConfig:
     mlp_width = property(lambda self: 4 * self.n_embd, doc="the MLP's hidden width")
     mlp_parts = 1  # c_fc's output: one block of mlp_width columns (Llama's: gate | up)
     ties_embeddings = True  # the LM head is the token embedding's table
+    head_uses_embedding = property(lambda self: self.ties_embeddings,
+                                   doc="the head reads the token embedding (a pipeline mirrors it on the last stage)")
     display_name = "GPT"
 
     # what the planner's cost model needs of an architecture (parallel/planner.py)
@@ -115,6 +117,8 @@ class GPTConfig:
 
 
 class CausalSelfAttention(Module):
+    fp8_linears = ("c_attn", "c_proj")  # the projections --precision fp8 computes in FP8 (precision.py)
+
     def __init__(self, cfg: GPTConfig, layer: int):
         self.c_attn = Linear(cfg.n_embd, 3 * cfg.n_embd, dtype=cfg.dtype)
         self.c_proj = Linear(cfg.n_embd, cfg.n_embd, dtype=cfg.dtype)
@@ -157,6 +161,13 @@ class Block(Module):
             if cfg.n_expert else self.DenseMLP(cfg)
 
     recompute = False  # full recomputation: keep only the block's input, run it again in backward
+
+    def projections(self) -> list[Module]:
+        """The attention's and a dense MLP's Linears (or their tensor-parallel slices): what FP8 computes in FP8 —
+        not a MoE layer's router and experts."""
+        found = [getattr(self.attn, name, None) for name in self.attn.fp8_linears]
+        found += [getattr(self.mlp, name, None) for name in ("c_fc", "c_proj")]  # a MoE layer's are expert weights
+        return [linear for linear in found if hasattr(linear, "fp8")]
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.recompute:
@@ -209,13 +220,18 @@ class GPT(Module):
         self.transformer = Transformer(cfg)
         self._init_weights(seed)
 
+    def named_blocks(self) -> list[tuple[str, Block]]:
+        """Every transformer block with its parameters' name prefix — what the parallel engines split and
+        recompute (DeepSeek adds its multi-token prediction modules' blocks)."""
+        return [(f"transformer.h.{n}.", block) for n, block in zip(self.transformer.h._numbers, self.transformer.h)]
+
     def set_recompute(self, mode: str) -> GPT:
         """Activation recomputation: "none"; "selective" (Korthikanti et al. 2022: the attention probabilities,
         the largest and cheapest activations, are computed again in backward); "full" (every block keeps only
         its input and runs again in backward)."""
         if mode not in RECOMPUTE:
             raise ValueError(f"unknown recomputation {mode!r}: expected one of {RECOMPUTE}")
-        for block in self.transformer.h:
+        for _, block in self.named_blocks():
             block.recompute = mode == "full"
             if mode == "selective":
                 block.attn.recompute_scores()
@@ -224,10 +240,9 @@ class GPT(Module):
     def set_fp8(self, recipe: Any) -> GPT:
         """Every block's attention and dense-MLP Linear computes its GEMMs under the FP8 ``recipe`` (precision.py);
         the embedding, the head, MoE routers and experts stay in bf16 (precision.py)."""
-        for block in self.transformer.h:
-            for linear in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
-                if hasattr(linear, "fp8"):  # Linear and its tensor-parallel slices; a MoE layer's experts are not
-                    linear.fp8 = recipe
+        for _, block in self.named_blocks():
+            for linear in block.projections():
+                linear.fp8 = recipe
         return self
 
     def _init_weights(self, seed: int) -> None:

@@ -60,12 +60,13 @@ class LlamaConfig(GPTConfig):
         if self.n_kv_head < 0 or self.n_head % self.kv_heads:
             raise ValueError(f"n_kv_head ({self.n_kv_head}) must divide n_head ({self.n_head}): each key/value head "
                              "serves an equal group of query heads")
-        if self.head_dim % 2:
-            raise ValueError(f"the head dimension n_embd/n_head = {self.head_dim} must be even: RoPE rotates pairs")
+        if self.rope_dim % 2:
+            raise ValueError(f"the rotated dimension {self.rope_dim} must be even: RoPE rotates pairs")
         if self.n_inner < 0 or self.rope_theta <= 0:
             raise ValueError("n_inner must be >= 0 and rope_theta > 0")
 
     kv_heads = property(lambda self: self.n_kv_head or self.n_head)
+    rope_dim = property(lambda self: self.head_dim, doc="the dimensions RoPE rotates per head")
     mlp_width = property(lambda self: self.n_inner or llama_inner(self.n_embd))
     mlp_parts = 2  # c_fc = gate | up
     display_name = "Llama"
@@ -157,9 +158,11 @@ class LlamaBlock(Block):
 
 
 class LlamaTransformer(Module):
+    Block = LlamaBlock
+
     def __init__(self, cfg: LlamaConfig):
         self.wte = Embedding(cfg.vocab_size, cfg.n_embd, dtype=cfg.dtype)
-        self.h = ModuleList([LlamaBlock(cfg, layer) for layer in range(cfg.n_layer)])
+        self.h = ModuleList([self.Block(cfg, layer) for layer in range(cfg.n_layer)])
         self.ln_f = RMSNorm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
 
 

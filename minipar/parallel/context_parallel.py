@@ -285,12 +285,12 @@ def context_parallel(model: GPT, comm: Communicator, kind: str = "ring", split: 
     check_context_parallel(model.config, comm.size, tp, kind, split)
     model.given_positions = lambda T: to_device(chunk_positions(comm.rank, comm.size, T, split))
     model.context_work = {"pairs": 0, "wait_s": 0.0}
-    for block in model.transformer.h:
+    for _, block in model.named_blocks():
         block.attn.core = UlyssesAttention(comm) if kind == "ulysses" else RingAttentionCore(comm, split, model.context_work)
         if isinstance(block.mlp, MoEMLP):
             block.mlp.admit = lambda chosen, mlp=block.mlp: admit_across(mlp, comm, split, chosen)
-        for linear in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
-            if getattr(linear, "fp8", None) is not None:
+        for linear in block.projections():
+            if linear.fp8 is not None:
                 linear.fp8_reduce = token_amax(comm, linear.fp8)
     return model
 

@@ -153,6 +153,13 @@ class Layout:
                 raise ValueError(f"--precision fp8 with --tp {self.tp} > --n-kv-head {cfg.kv_heads}: a K/V head shared "
                                  "by several tp ranks gets partial output gradients there, which FP8 would scale apart")
         check_tensor_parallel(cfg, self.tp, self.sp)
+        if getattr(cfg, "mtp_depth", 0):  # DeepSeek's multi-token prediction (models/deepseek.py)
+            if self.sp or self.cp > 1:
+                raise ValueError("--mtp-depth with --sp or --cp: each depth reads every position's token k ahead and "
+                                 "shifts the sequence by one, across the ranks' shards of it (not built)")
+            if cfg.n_expert:
+                raise ValueError("--mtp-depth with --n-expert: the MTP modules' MoE layers and their balancing loss "
+                                 "are not built (DeepSeek-V3's MoE: issue #50)")
         check_expert_parallel(cfg, self.ep, self.dp * self.cp)
         if cfg.n_expert:
             if self.ep > 1 and (self.local_sgd or self.compression != "none"):
@@ -261,6 +268,8 @@ class Layout:
             model.context_work.update(pairs=0, wait_s=0.0)
         for layer in moe_layers(model):
             layer.reset_tally()
+        if getattr(model.config, "mtp_depth", 0):
+            model.reset_mtp_tally()
 
     def reports(self, model: Any, mesh: Mesh) -> dict[str, Any]:
         """The step's reports of the axes that keep one: ring attention's balance ("context"), the experts'
@@ -270,6 +279,8 @@ class Layout:
             out["context"] = context_report(model, mesh.cp_comm)
         if model.config.n_expert:  # every stage takes part, with or without MoE layers of its own
             out["experts"] = expert_report(model, mesh.grad_comm, mesh.pp_comm)
+        if getattr(model.config, "mtp_depth", 0):  # each multi-token prediction depth's loss (models/deepseek.py)
+            out["mtp_loss"] = model.mtp_report(mesh.grad_comm, mesh.pp_comm)
         return out
 
     def flags(self) -> list[str]:
@@ -318,6 +329,8 @@ OPTIONS: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
     ("pp interleaved", {"pp": 2, "microbatches": 4, "schedule": "interleaved", "virtual_stages": 2}, {}),
     ("pp ZB-H1", {"pp": 2, "microbatches": 4, "schedule": "zb-h1"}, {}),
     ("pp DualPipeV", {"pp": 2, "microbatches": 4, "schedule": "dualpipev"}, {}),
+    ("MLA", {}, {"arch": "deepseek"}),
+    ("MTP", {}, {"arch": "deepseek", "mtp_depth": 1}),
     ("MoE", {}, {"n_expert": 4}),
     ("MoE, ep", {"dp": 2, "ep": 2}, {"n_expert": 4}),
     ("recompute selective", {"recompute": "selective"}, {}),
@@ -347,7 +360,7 @@ def composition_table() -> str:
     """README's "what composes with what": every pair of :data:`OPTIONS` (:func:`combine`) put to
     :meth:`Layout.validate` on an 8-layer model: ✓ accepted, a number the refusal listed below the table, · two
     values of one choice (a ZeRO stage, a schedule, a precision, ...)."""
-    from minipar.models.gpt import GPTConfig
+    from minipar.models import config_from_dict
 
     refusals: list[str] = []
 
@@ -357,7 +370,7 @@ def composition_table() -> str:
             return "·"
         layout, model = pair
         try:
-            layout.validate(GPTConfig(**TABLE_MODEL, **model), batch_size=16 * layout.dp)
+            layout.validate(config_from_dict({**TABLE_MODEL, **model}), batch_size=16 * layout.dp)
         except ValueError as refusal:
             if str(refusal) not in refusals:
                 refusals.append(str(refusal))

@@ -88,14 +88,18 @@ class Pipeline:
         numbers = [i for s in stages for i in stage_blocks(cfg.n_layer, self.n_stages, s)]
         t.h = ModuleList([t.h[i] for i in numbers], numbers=numbers)
         holds_embedding, holds_head = self.rank == self.embedding_rank, self.rank == self.head_rank
-        self.tied, self.head_embedding = p > 1 and cfg.ties_embeddings, None
+        # the head reads the token embedding (a tied head; DeepSeek's MTP modules embed the tokens ahead): the last
+        # stage keeps a mirror of the table, and its gradient goes back to the first (``tied``)
+        self.tied, self.head_embedding = p > 1 and cfg.head_uses_embedding, None
         if not holds_embedding and hasattr(t, "wpe"):  # learned positions (GPT-2)
             del t.wpe
         if not holds_head:
             del t.ln_f
             if not cfg.ties_embeddings:  # an untied head (Llama's lm_head) lives on the last stage only
                 del model.lm_head
-        if not (holds_embedding or (holds_head and cfg.ties_embeddings)):
+            if hasattr(model, "mtp"):  # so do DeepSeek's multi-token prediction modules
+                del model.mtp
+        if not (holds_embedding or (holds_head and cfg.head_uses_embedding)):
             del t.wte
         self.table_shape = tuple(t.wte.weight.shape) if hasattr(t, "wte") else None  # (ZeRO-3 frees it)
         if self.tied and holds_head:  # a mirror of the token embedding (a copy where the rank holds the table too)

@@ -339,7 +339,11 @@ def split_of(name: str, cfg: Any) -> Split | None:
     if name.endswith(("attn.c_attn.weight", "attn.c_attn.bias")):
         return Split(-1, ((H, D), (K, D), (K, D)))
     if name.endswith("attn.c_proj.weight"):
-        return Split(0, ((H, D),))
+        return Split(0, ((H, getattr(cfg, "v_head_dim", D)),))
+    if name.endswith(("attn.q_proj.weight", "attn.q_b_proj.weight")):  # multi-head latent attention's up-projections
+        return Split(-1, ((H, cfg.qk_head_dim),))
+    if name.endswith("attn.kv_b_proj.weight"):
+        return Split(-1, ((H, cfg.qk_nope_head_dim + cfg.v_head_dim),))
     if name.endswith(("mlp.c_fc.weight", "mlp.c_fc.bias")):
         return Split(-1, ((W, 1),) * cfg.mlp_parts)
     if name.endswith("mlp.c_proj.weight"):
@@ -377,10 +381,12 @@ def tensor_parallel(model: GPT, comm: Communicator, sequence_parallel: bool = Fa
     if cfg.kv_heads < tp:  # K/V head r·K//tp on rank r: the ranks sharing one sum its gradient
         group = comm.split(rank * cfg.kv_heads // tp, name=f"{comm.name}/kv")
         replicated = (cfg.n_head // tp * cfg.head_dim, group)
-    for i, block in enumerate(model.transformer.h):
-        p = f"transformer.h.{i}."
-        block.attn.c_attn = ColumnParallelLinear(dev(p + "attn.c_attn.weight"), dev(p + "attn.c_attn.bias"), comm, sp,
-                                                 replicated)
+    for p, block in model.named_blocks():
+        if hasattr(block.attn, "kv_b_proj"):  # DeepSeek's multi-head latent attention
+            _split_latent_attention(block.attn, dev, p, comm, sp)
+        else:
+            block.attn.c_attn = ColumnParallelLinear(dev(p + "attn.c_attn.weight"), dev(p + "attn.c_attn.bias"), comm,
+                                                     sp, replicated)
         block.attn.c_proj = RowParallelLinear(dev(p + "attn.c_proj.weight"), dev(p + "attn.c_proj.bias"), comm, sp)
         block.attn.keep_heads(tp)
         if not cfg.n_expert:  # a mixture-of-experts MLP runs whole on every tp rank (expert_parallel.py)
@@ -399,6 +405,31 @@ def tensor_parallel(model: GPT, comm: Communicator, sequence_parallel: bool = Fa
     for name, p in model.named_parameters():  # each parameter says where it lives
         p.placement = p.placement.placed(tp=split_of(name, cfg), tp_size=tp)
     return model
+
+
+def _split_latent_attention(attn: Any, dev: Any, p: str, comm: Communicator, sp: bool) -> None:
+    """Multi-head latent attention over tp ranks (models/deepseek.py). The up-projections — q_proj or q_b_proj,
+    kv_b_proj — are column-parallel by heads, c_proj row-parallel, as any attention's. The down-projections to
+    the latents (q_a_proj, kv_a_proj: c_Q, c_KV and the shared rope key k_R) and their norms are whole on every
+    rank and run on every token the rank holds, as Megatron's MLA does.
+
+    Gradients: each rank's heads give partial gradients of the latents; the column-parallel layers' ``f``
+    all-reduces those of c_Q and c_KV, and k_R takes its own ``f`` (label ``tp_rope_key``): B·T·(r_q + r_kv + R)
+    values backward in three all-reduces — less than the B·T·C of an ``f`` on x when the latents are narrower
+    than the model, as DeepSeek-V3's are (2,112 against 7,168). The down-projections then see whole gradients,
+    equal on every rank. Under sequence parallelism the down-projections run on this rank's T/tp tokens, and the
+    ``ḡ`` of the up-projections (and k_R's own) gathers the latents, not x; the down-projections' and norms'
+    gradients cover this shard's tokens, so an ``f`` sums them over tp (label ``sp_params``), as for layer norms."""
+    for name in ("q_proj", "q_b_proj", "kv_b_proj"):
+        if hasattr(attn, name):
+            setattr(attn, name, ColumnParallelLinear(dev(f"{p}attn.{name}.weight"), None, comm, sp))
+    if sp:
+        attn.rope_key_use = lambda k: GatherSequence.apply(k, comm, "sp_rope_key")
+        for name in ("q_a_proj", "q_a_norm", "kv_a_proj", "kv_a_norm"):
+            if hasattr(attn, name):
+                getattr(attn, name).param_use = lambda w: _shard_used(w, comm)
+    else:
+        attn.rope_key_use = lambda k: CopyToTensorParallel.apply(k, comm, "tp_rope_key")
 
 
 def gather_tensor_parallel_state(local: dict[str, np.ndarray], cfg: Any, comm: Communicator) -> dict[str, np.ndarray]:
