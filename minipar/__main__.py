@@ -22,6 +22,8 @@ AGREE_SECONDS = 3.0
 
 
 def generate(args: argparse.Namespace) -> None:
+    import numpy as np
+
     from minipar.backend import set_device
     from minipar.data import tokenizer_for
     from minipar.models import build_model, from_hf
@@ -41,6 +43,11 @@ def generate(args: argparse.Namespace) -> None:
         model = build_model(loaded.config)
         model.load_state_dict(loaded.params)
         source = loaded.path
+    if hasattr(model.config, "cache_bytes_per_token"):  # DeepSeek: what multi-head latent attention caches
+        itemsize, cfg = np.dtype(model.config.dtype).itemsize, model.config
+        print(f"latent KV cache: {cfg.cache_bytes_per_token(itemsize):,} bytes per token (L·(kv_lora_rank + "
+              f"qk_rope_head_dim)·{itemsize}); expanded keys and values would take "
+              f"{cfg.cache_bytes_per_token(itemsize, latent=False):,}", file=sys.stderr)
     tok = tokenizer_for(source, model.config.vocab_size)
     prompt = tok.encode(args.prompt)
     if len(prompt) == 0:

@@ -666,59 +666,80 @@ class CrossEntropy(Function):
 
 
 class CausalSelfAttention(Function):
-    """Multi-head causal attention on a fused (B, T, 3C) tensor [q | k | v], heads of size D = C/H.
+    """Multi-head causal attention on a fused (B, T, (H + 2K)·D) tensor [q | k | v]: H query heads, K key/value
+    heads (K = H, or grouped-query attention: query head h reads K/V head h // (H/K)).
 
     Forward per head:  S = q kᵀ·s + M  (M = -∞ above the diagonal),  P = softmax(S),  y = P v,
                        with the score scale s = 1/√D unless given (GPT-2's scale_attn_* options).
     Backward:          dv = Pᵀ dy,  dP = dy vᵀ,  dS = P ⊙ (dP - Σ_row dP ⊙ P)·s,
-                       dq = dS k,   dk = dSᵀ q.
-    Returns (B, T, C) with heads concatenated, as GPT-2 does. ``n_head`` is the number of heads
-    present in ``qkv``: all of them, or the local share under tensor parallelism. When the backend
-    routes it to Triton (``backend.use_triton``), kernels/flash_attention.py computes the same
-    function block by block, saving only the log-sum-exp instead of P.
+                       dq = dS k,   dk = dSᵀ q,  a K/V head's gradient summed over the H/K queries it serves.
+    Returns (B, T, H·D) with heads concatenated, as GPT-2 does. ``n_head`` (and ``kv_heads``, default n_head)
+    are the heads present in ``qkv``: all of them, or the local share under tensor parallelism. When the backend
+    routes it to Triton (``backend.use_triton``), kernels/flash_attention.py computes the same function block by
+    block, saving only the log-sum-exp instead of P.
     """
 
     @staticmethod
-    def forward(ctx: Context, qkv: Any, n_head: int, scale: float | None, recompute: bool = False) -> Any:
-        B, T, C3 = qkv.shape
-        C = C3 // 3
-        D = C // n_head
-        q, k, v = qkv.reshape(B, T, 3, n_head, D).transpose(2, 0, 3, 1, 4)  # each (B, H, T, D), views
+    def forward(ctx: Context, qkv: Any, n_head: int, scale: float | None, recompute: bool = False,
+                kv_heads: int | None = None) -> Any:
+        B, T, width = qkv.shape
+        H, K = n_head, kv_heads or n_head
+        D = width // (H + 2 * K)
+        heads = qkv.reshape(B, T, H + 2 * K, D).transpose(0, 2, 1, 3)  # (B, H + 2K, T, D) views
+        q, k_kv, v_kv = heads[:, :H], heads[:, H:H + K], heads[:, H + K:]
+        k, v = repeat_heads(k_kv, H), repeat_heads(v_kv, H)  # what is kept is the K heads (backward repeats them)
         ctx.scale = 1.0 / math.sqrt(D) if scale is None else scale
-        ctx.flash = use_triton(qkv.dtype)
+        ctx.flash, ctx.kv_heads = use_triton(qkv.dtype), K
         if ctx.flash:  # kernels/flash_attention.py: online softmax, never the (T, T) matrix
             from minipar.kernels.flash_attention import attention_forward
 
-            out = xp.empty((B, T, n_head, D), dtype=qkv.dtype)
+            out = xp.empty((B, T, H, D), dtype=qkv.dtype)
             lse = attention_forward(q, k, v, out.transpose(0, 2, 1, 3), ctx.scale)
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out.reshape(B, T, C)
+            ctx.save_for_backward(q, k_kv, v_kv, out, lse)
+            return out.reshape(B, T, H * D)
         p = _attention_probabilities(q, k, ctx.scale)
         y = p @ v
-        ctx.save_for_backward(q, k, v, None if recompute else p)  # selective recomputation: P again in backward
-        return y.transpose(0, 2, 1, 3).reshape(B, T, C)
+        ctx.save_for_backward(q, k_kv, v_kv, None if recompute else p)  # selective recomputation: P again in backward
+        return y.transpose(0, 2, 1, 3).reshape(B, T, H * D)
 
     @staticmethod
     def backward(ctx: Context, g: Any) -> tuple:
         q, k, v = ctx.saved[:3]
         B, H, T, D = q.shape
+        K = ctx.kv_heads
+        k, v = repeat_heads(k, H), repeat_heads(v, H)
         gy = xp.ascontiguousarray(g).reshape(B, T, H, D).transpose(0, 2, 1, 3)
-        gqkv = xp.empty((B, T, 3, H, D), dtype=g.dtype)
-        gqkv_heads = gqkv.transpose(2, 0, 3, 1, 4)  # (3, B, H, T, D) view
+        gqkv = xp.empty((B, T, H + 2 * K, D), dtype=g.dtype)
+        gheads = gqkv.transpose(0, 2, 1, 3)  # (B, H + 2K, T, D) view
+        gq = gheads[:, :H]
+        gk, gv = (gheads[:, H:H + K], gheads[:, H + K:]) if K == H else (xp.empty_like(q), xp.empty_like(q))
         if ctx.flash:
             from minipar.kernels.flash_attention import attention_backward
 
             out, lse = ctx.saved[3:]
-            attention_backward(q, k, v, out.transpose(0, 2, 1, 3), lse, gy, *gqkv_heads, ctx.scale)
-            return gqkv.reshape(B, T, 3 * H * D), None, None, None
-        p = ctx.saved[3] if ctx.saved[3] is not None else _attention_probabilities(q, k, ctx.scale)
-        xp.matmul(xp.swapaxes(p, -1, -2), gy, out=gqkv_heads[2])
-        dp = gy @ xp.swapaxes(v, -1, -2)
-        ds = _softmax_backward(p, dp, axis=-1, out=dp)
-        ds *= ctx.scale
-        xp.matmul(ds, k, out=gqkv_heads[0])
-        xp.matmul(xp.swapaxes(ds, -1, -2), q, out=gqkv_heads[1])
-        return gqkv.reshape(B, T, 3 * H * D), None, None, None
+            attention_backward(q, k, v, out.transpose(0, 2, 1, 3), lse, gy, gq, gk, gv, ctx.scale)
+        else:
+            p = ctx.saved[3] if ctx.saved[3] is not None else _attention_probabilities(q, k, ctx.scale)
+            xp.matmul(xp.swapaxes(p, -1, -2), gy, out=gv)
+            dp = gy @ xp.swapaxes(v, -1, -2)
+            ds = _softmax_backward(p, dp, axis=-1, out=dp)
+            ds *= ctx.scale
+            xp.matmul(ds, k, out=gq)
+            xp.matmul(xp.swapaxes(ds, -1, -2), q, out=gk)
+        if K != H:  # each K/V head's gradient: the sum over the query heads it serves
+            gheads[:, H:H + K], gheads[:, H + K:] = fold_heads(gk, K), fold_heads(gv, K)
+        return gqkv.reshape(B, T, (H + 2 * K) * D), None, None, None, None
+
+
+def repeat_heads(a: Any, H: int) -> Any:
+    """(B, K, T, D) -> (B, H, T, D): K/V head g for query heads g·H/K … (g+1)·H/K − 1 (transformers' repeat_kv)."""
+    return a if a.shape[1] == H else xp.repeat(a, H // a.shape[1], axis=1)
+
+
+def fold_heads(g: Any, K: int) -> Any:
+    """The inverse's gradient: (B, H, T, D) -> (B, K, T, D), each K/V head's queries' gradients summed."""
+    B, H, T, D = g.shape
+    return g if H == K else g.reshape(B, K, H // K, T, D).sum(axis=2)
 
 
 def _attention_probabilities(q: Any, k: Any, scale: float) -> Any:
@@ -854,10 +875,12 @@ def swiglu(h) -> Tensor: return SwiGLU.apply(h)
 def rope(x, cos, sin) -> Tensor: return Rope.apply(x, cos, sin)
 def embedding(idx, w) -> Tensor: return Embedding.apply(idx, w)
 def cross_entropy(logits, targets, ignore_index: int = -100) -> Tensor: return CrossEntropy.apply(logits, targets, ignore_index)
-def causal_self_attention(qkv, n_head: int, scale: float | None = None, recompute: bool = False) -> Tensor:
-    """Causal multi-head attention of packed q|k|v with scores q·kᵀ·scale (default 1/√head_dim); ``recompute``:
-    keep q, k, v only and compute the (T, T) probabilities again in backward (selective recomputation)."""
-    return CausalSelfAttention.apply(qkv, n_head, scale, recompute)
+def causal_self_attention(qkv, n_head: int, scale: float | None = None, recompute: bool = False,
+                          kv_heads: int | None = None) -> Tensor:
+    """Causal multi-head attention of packed q|k|v (``kv_heads`` K/V heads, default n_head) with scores
+    q·kᵀ·scale (default 1/√head_dim); ``recompute``: keep q, k, v only and compute the (T, T) probabilities again
+    in backward (selective recomputation)."""
+    return CausalSelfAttention.apply(qkv, n_head, scale, recompute, kv_heads)
 
 
 def recompute(fn, x, side=None) -> Tensor: return Recompute.apply(x, fn, side)

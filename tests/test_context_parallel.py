@@ -107,3 +107,31 @@ def test_checkpoint_saved_under_cp_resumes_elsewhere(tmp_path, single):
     assert sorted(losses) == list(range(11, 21))
     assert_same_training(([{"loss": losses[s]} for s in range(11, 21)], params),
                          ([{"loss": expected[s]} for s in range(11, 21)], single[1]))
+
+
+GQA = ["--arch", "llama", "--n-layer", "2", "--n-head", "4", "--n-embd", "16", "--n-inner", "24", "--block-size", "16",
+       "--batch-size", "2", "--steps", "2", "--dtype", "float64", "--eval-interval", "0", "--json"]
+
+
+@pytest.mark.parametrize("kind,cp,kv", [("ring", 2, 1), ("ring", 4, 2), ("ulysses", 2, 2), ("ulysses", 4, 2),
+                                        ("ulysses", 2, 1)])
+def test_grouped_query_attention_sends_its_key_value_heads(tmp_path, kind, cp, kv):
+    """A grouped-query Llama (H = 4 query heads, K = kv) under context parallelism equals one process, and sends the
+    K key/value heads, never the H they serve: ring attention K|V of K heads forward (cp − 1 hops) and K|V|dK|dV
+    backward (cp hops); Ulysses q as H heads (H/cp to each rank) and k|v as K heads — K/cp to each rank, or, with
+    fewer K/V heads than ranks, the one each rank's queries share (a copy to every rank that needs it) — and the
+    output back as H heads. Per layer and rank, t = T/cp tokens of each of the B rows, D = 4."""
+    flags = [*GQA, "--n-kv-head", str(kv)]
+    single = train_cli(flags, 1, str(tmp_path / "one"))
+    result = train_cli([*flags, "--cp", str(cp), "--cp-kind", kind,
+                        "--cp-split", "zigzag" if kind == "ring" else "contiguous"], cp, str(tmp_path / "cp"))
+    assert_same_training(result, single)
+    B, t, D, H, layers = 2, 16 // cp, 4, 4, 2
+    if kind == "ring":
+        forward, backward = (cp - 1) * 2 * B * kv * t * D, cp * 4 * B * kv * t * D
+    else:
+        shared = kv // cp if kv >= cp else 1  # the K/V heads each rank receives
+        forward = backward = (cp - 1) * B * t * D * (2 * H // cp + 2 * shared)
+    for record in result[0]:
+        assert record["comm_bytes_by_op"]["cp_forward"] == layers * forward * 8
+        assert record["comm_bytes_by_op"]["cp_backward"] == layers * backward * 8

@@ -79,6 +79,28 @@ def test_the_mtp_loss_is_main_plus_lambda_over_d_times_the_depths():
     assert np.array_equal(model(idx)[0].data, main(idx)[0].data)  # inference uses the main head only
 
 
+@pytest.mark.parametrize("absorbed", [True, False])
+def test_the_latent_cache_decodes_as_the_uncached_forward(absorbed):
+    """Token by token from a 3-token prompt past block_size (the window then slides and the cache refills), the
+    cached decoder's next-token logits equal the whole forward's on the same window to 1e-12 in float64 — with the
+    up-projections absorbed into the query and the output projection, or expanded — and the cache holds
+    kv_lora_rank + qk_rope_head_dim numbers per token and layer: L·(12 + 4)·8 bytes here."""
+    from minipar.autograd import no_grad
+
+    cfg = DeepSeekConfig(**{**CONFIGS[1], "block_size": 8, "qk_rope_head_dim": 4, "kv_lora_rank": 12},
+                         dtype="float64")
+    model = DeepSeek(cfg, seed=7)
+    tokens = np.random.default_rng(8).integers(0, cfg.vocab_size, (2, 12))
+    decode = model.decoder(absorbed)
+    with no_grad():
+        for t in range(3, 13):
+            expected = model(tokens[:, max(0, t - 8):t])[0].data[:, -1]
+            np.testing.assert_allclose(decode(tokens[:, :t]), expected, rtol=0, atol=1e-12)
+            assert decode.length == min(t, 8)
+    assert decode.bytes_per_token == 3 * (12 + 4) * 8 == cfg.cache_bytes_per_token(8)
+    assert cfg.cache_bytes_per_token(8, latent=False) == 3 * 2 * (4 + 4 + 8) * 8  # L·H·(N + R + V)·8
+
+
 @pytest.mark.parametrize("changes,message", [
     (dict(qk_rope_head_dim=3), "must be even: RoPE rotates pairs"),
     (dict(n_kv_head=2), "multi-head latent attention gives every head"),
@@ -284,6 +306,16 @@ def test_a_checkpoint_transformers_wrote_loads(tmp_path, monkeypatch, interleave
         with open(path, "w") as f:
             json.dump({**stored, "rope_interleave": False}, f)
         assert np.abs(from_hf(str(tmp_path))(idx)[0].data - reference).max() > 1e-6
+
+
+def test_greedy_decoding_equals_transformers(tmp_path, monkeypatch):
+    """minipar's cached, absorbed decoding and transformers' generate (its own cache) pick the same tokens."""
+    torch, _ = _transformers()
+    _float64_deepseek(monkeypatch)
+    ours, theirs = _pair(tmp_path, CONFIGS[1], seed=9)
+    prompt = np.array([[3, 1, 4, 1, 5]])
+    reference = theirs.generate(torch.tensor(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert ours.generate(prompt, max_new_tokens=4, top_k=1).tolist() == reference.tolist()
 
 
 def test_transformers_loads_a_checkpoint_with_mtp_modules(tmp_path):

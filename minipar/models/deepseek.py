@@ -47,7 +47,7 @@ import numpy as np
 
 from minipar import ops
 from minipar.autograd import Tensor
-from minipar.backend import xp
+from minipar.backend import to_device, xp
 from minipar.data import save_tokenizer
 from minipar.models.gpt import read_hf_config
 from minipar.models.llama import Llama, LlamaBlock, LlamaConfig, LlamaTransformer, RotaryAttention
@@ -96,6 +96,13 @@ class DeepSeekConfig(LlamaConfig):
     def attention_scale(self, layer: int) -> float:
         return 1.0 / float(np.sqrt(self.qk_head_dim))
 
+    def cache_bytes_per_token(self, itemsize: int, latent: bool = True) -> int:
+        """What generation keeps per token, all layers: the latent c_KV and the rope key, L·(r_kv + R)·itemsize —
+        or (``latent=False``) the keys and values they expand to, L·H·(N + R + V)·itemsize."""
+        per_layer = (self.kv_lora_rank + self.qk_rope_head_dim if latent
+                     else self.n_head * (self.qk_head_dim + self.v_head_dim))
+        return self.n_layer * per_layer * itemsize
+
     def layer_weights(self) -> tuple[int, int]:
         """(attention, dense MLP) weight-matrix parameters of one block (a token costs 2 FLOPs per weight)."""
         C, H, r_q, r_kv = self.n_embd, self.n_head, self.q_lora_rank, self.kv_lora_rank
@@ -118,7 +125,7 @@ class DeepSeekConfig(LlamaConfig):
         return blocks + table + (C if final_norm else 0) + mtp
 
 
-class LatentAttention(RotaryAttention):
+class LatentAttention(RotaryAttention):  # Llama's attention's interface: keep_heads, recompute_scores
     """Multi-head latent attention (module docstring, 1). Shapes per token: x (C) → c_KV (r_kv), k_R (R) →
     per head k_nope (N), v (V); q (N + R) per head; scores over N + R dimensions."""
 
@@ -170,11 +177,82 @@ class LatentAttention(RotaryAttention):
         q = ops.concat([q[:, :, :, :N], ops.rope(q[:, :, :, N:], cos, sin)], axis=3)
         c_kv, k_rope = self.latent(x)
         kv = self.kv_b_proj(c_kv).reshape(B, T, H, N + V)
-        k = ops.concat([kv[:, :, :, :N], self.share_kv(ops.rope(k_rope, cos, sin), H)], axis=3)
+        k_rope = ops.rope(k_rope, cos, sin) * xp.ones((1, 1, H, 1), dtype=k_rope.dtype)  # one key for every head
+        k = ops.concat([kv[:, :, :, :N], k_rope], axis=3)
         width = max(N + R, V)  # one head width for the core: zero columns add nothing
         packed = ops.concat([_pad(q, width), _pad(k, width), _pad(kv[:, :, :, N:], width)], axis=2)
         y = self.core(packed.reshape(B, T, 3 * H * width), H, self.scale).reshape(B, T, H, width)
         return self.c_proj((y[:, :, :, :V] if V < width else y).reshape(B, T, H * V))
+
+
+class LatentDecoder:
+    """Generation with MLA's cache (module docstring, 1): per layer and token it keeps c_KV and the rotated k_R —
+    kv_lora_rank + qk_rope_head_dim numbers where multi-head attention keeps 2·H·D. A call with one token more than
+    the last runs that token alone against the cache; any other call (the first, a window past block_size) fills
+    the cache from the last block_size tokens, as the uncached forward sees them.
+
+    ``absorbed`` (DeepSeek-V2 §2.1.3): attention runs in the latent space. W_UK folds into the query —
+    q̃_h = q_nope,h W_UK,hᵀ, r numbers per head, so a score is q̃_h · c_KV,t + q_R,h · k_R,t and no key is ever
+    expanded — and W_UV into the output projection: y = Σ_h (Σ_t p_h,t c_KV,t) (W_UV,h W_O,h). Without it the
+    cache is expanded into every head's k_nope and v at each step. Both equal the uncached forward (1e-12 in
+    float64, tests/test_deepseek.py)."""
+
+    def __init__(self, model: DeepSeek, absorbed: bool = True):
+        self.model, self.absorbed = model, absorbed
+        self.cache: list[tuple[Any, Any]] = []  # per layer: c_KV (B, t, r), rotated k_R (B, t, R)
+        self.folded: dict[int, Any] = {}  # per layer: W_UV,h W_O,h, (H, r, C)
+        self.length = 0
+
+    @property
+    def bytes_per_token(self) -> int:
+        """The cache's bytes per token, all layers: measured from its arrays."""
+        return sum(c.nbytes + k.nbytes for c, k in self.cache) // (self.cache[0][0].shape[0] * self.length)
+
+    def __call__(self, idx: Any) -> Any:
+        model, block_size = self.model, self.model.config.block_size
+        if not self.cache or idx.shape[1] != self.length + 1 or idx.shape[1] > block_size:
+            new, self.cache, self.length = idx[:, -block_size:], [], 0
+        else:
+            new = idx[:, -1:]
+        positions = xp.arange(self.length, self.length + new.shape[1])
+        x = model.transformer.wte(to_device(new))
+        for layer, block in enumerate(model.transformer.h):
+            x = x + self.attend(block.attn, block.ln_1(x), positions, layer)
+            x = x + block.mlp(block.ln_2(x))
+        self.length += new.shape[1]
+        return model.head(x[:, -1:])[0].data[:, -1, :]
+
+    def attend(self, attn: LatentAttention, h: Tensor, positions: Any, layer: int) -> Tensor:
+        """Attention of the new tokens ``h`` (B, n, C) at ``positions`` over every cached token and themselves."""
+        H, N, R, V, r = attn.n_head, attn.nope, attn.rope_dim, attn.v_dim, attn.rank
+        cos, sin = ops.rope_tables(positions, R, attn.theta, xp.float64 if h.dtype == xp.float64 else xp.float32)
+        q = attn.queries(h).data
+        q_nope, q_rope = q[..., :N], ops.rope(q[..., N:], cos, sin).data
+        c_kv, k_rope = attn.latent(h)
+        entry = (c_kv.data, ops.rope(k_rope, cos, sin).data[:, :, 0])
+        if layer < len(self.cache):
+            entry = tuple(xp.concatenate([old, new], axis=1) for old, new in zip(self.cache[layer], entry))
+            self.cache[layer] = entry
+        else:
+            self.cache.append(entry)
+        c_all, k_all = entry
+        w = attn.kv_b_proj.weight.data.reshape(r, H, N + V)
+        w_uk, w_uv = w[..., :N], w[..., N:]
+        if self.absorbed:
+            scores = xp.einsum("bnhr,btr->bhnt", xp.einsum("bnhd,rhd->bnhr", q_nope, w_uk), c_all)
+        else:
+            scores = xp.einsum("bnhd,bhtd->bhnt", q_nope, xp.einsum("btr,rhd->bhtd", c_all, w_uk))
+        scores = (scores + xp.einsum("bnhd,btd->bhnt", q_rope, k_all)) * attn.scale
+        scores = xp.where(xp.arange(c_all.shape[1])[None, :] > positions[:, None], -xp.inf, scores)
+        p = xp.exp(scores - scores.max(axis=-1, keepdims=True))
+        p /= p.sum(axis=-1, keepdims=True)
+        if self.absorbed:
+            if layer not in self.folded:
+                w_o = attn.c_proj.weight.data.reshape(H, V, -1)
+                self.folded[layer] = xp.einsum("rhv,hvc->hrc", w_uv, w_o)
+            return Tensor(xp.einsum("bhnr,hrc->bnc", xp.einsum("bhnt,btr->bhnr", p, c_all), self.folded[layer]))
+        y = xp.einsum("bhnt,bhtv->bnhv", p, xp.einsum("btr,rhv->bhtv", c_all, w_uv))
+        return attn.c_proj(Tensor(y.reshape(*y.shape[:2], H * V)))
 
 
 def _pad(a: Tensor, width: int) -> Tensor:
@@ -264,6 +342,10 @@ class DeepSeek(Llama):
         if self.config.mtp_depth:
             loss = loss + self.mtp_loss(h, targets, embedding or self.transformer.wte)
         return logits, loss
+
+    def decoder(self, absorbed: bool = True) -> LatentDecoder:
+        """Generation's next-token logits with MLA's latent cache (:class:`LatentDecoder`)."""
+        return LatentDecoder(self, absorbed)
 
     def named_blocks(self) -> list[tuple[str, Any]]:
         return super().named_blocks() + [(f"mtp.{k}.block.", m.block) for k, m in enumerate(getattr(self, "mtp", ()))]

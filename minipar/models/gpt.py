@@ -137,7 +137,8 @@ class CausalSelfAttention(Module):
         """Selective recomputation: the attention probabilities are computed again in backward, not kept."""
         if self.core is not ops.causal_self_attention:
             raise ValueError("selective recomputation needs the standard attention (not context parallelism's)")
-        self.core = lambda qkv, n_head, scale: ops.causal_self_attention(qkv, n_head, scale, recompute=True)
+        self.core = lambda qkv, n_head, scale, kv_heads=None: ops.causal_self_attention(qkv, n_head, scale, True,
+                                                                                         kv_heads)
 
 
 class MLP(Module):
@@ -293,15 +294,21 @@ class GPT(Module):
         balance = self.balance_loss(self.transformer.h) if loss is not None else None
         return logits, loss if balance is None else loss + balance
 
+    def decoder(self) -> Any:
+        """What generation asks for each token: a function of the tokens so far (B, t) -> the next token's logits
+        (B, vocab). Here the whole forward on the last block_size tokens; a model with a cache keeps its state
+        between calls (DeepSeek's latent cache)."""
+        return lambda idx: self(idx[:, -self.config.block_size:])[0].data[:, -1, :]
+
     @no_grad()
     def generate(self, idx: Any, max_new_tokens: int, temperature: float = 1.0, top_k: int | None = None,
                  seed: int = 0) -> np.ndarray:
         """Sample ``max_new_tokens`` tokens after ``idx`` (B, T); returns the extended (B, T + n) array."""
         rng = np.random.default_rng(seed)
         idx = np.asarray(idx, dtype=np.int64)
+        next_logits = self.decoder()
         for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size:])
-            last = to_host(logits.data[:, -1, :]).astype(np.float64) / max(temperature, 1e-8)
+            last = to_host(next_logits(idx)).astype(np.float64) / max(temperature, 1e-8)
             if top_k is not None and top_k < last.shape[-1]:
                 kth = np.partition(last, -top_k, axis=-1)[:, -top_k][:, None]
                 last = np.where(last < kth, -np.inf, last)

@@ -104,8 +104,8 @@ class LlamaConfig(GPTConfig):
 
 class RotaryAttention(CausalSelfAttention):
     """Causal attention with RoPE and grouped-query heads. The core (ops.causal_self_attention, or context
-    parallelism's ring or Ulysses core) receives q | k | v with the K/V heads repeated to H: every core works
-    unchanged, at the cost of H/K times the K/V activations it keeps (and, under Ulysses, sends)."""
+    parallelism's ring or Ulysses core) receives q | k | v with the K key/value heads as they are and serves
+    query head h from K/V head h // (H/K) itself: it keeps — and context parallelism sends — K heads, not H."""
 
     def __init__(self, cfg: LlamaConfig, layer: int):
         H, K, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
@@ -128,18 +128,8 @@ class RotaryAttention(CausalSelfAttention):
         cos, sin = ops.rope_tables(self.positions(T), D, self.theta, xp.float64 if x.dtype == xp.float64 else xp.float32)
         q = ops.rope(qkv[:, :, :H], cos, sin)
         k = ops.rope(qkv[:, :, H:H + K], cos, sin)
-        v = qkv[:, :, H + K:]
-        packed = ops.concat([q, self.share_kv(k, H), self.share_kv(v, H)], axis=2).reshape(B, T, 3 * H * D)
-        return self.c_proj(self.core(packed, H, self.scale))
-
-    @staticmethod
-    def share_kv(a: Tensor, H: int) -> Tensor:
-        """(B, T, K, D) -> (B, T, H, D): K/V head g serves query heads g·H/K … (g+1)·H/K − 1 (transformers'
-        repeat_kv), by a broadcast multiply whose backward sums the group's gradients."""
-        B, T, K, D = a.shape
-        if K == H:
-            return a
-        return (a.reshape(B, T, K, 1, D) * xp.ones((1, 1, 1, H // K, 1), dtype=a.dtype)).reshape(B, T, H, D)
+        packed = ops.concat([q, k, qkv[:, :, H + K:]], axis=2).reshape(B, T, (H + 2 * K) * D)
+        return self.c_proj(self.core(packed, H, self.scale, kv_heads=K))
 
 
 class SwiGLUMLP(Module):

@@ -117,15 +117,65 @@ class HeadsToSequence(Function):
         return grad.reshape(B, T, gh * D), None, None
 
 
+def kv_heads_of(rank: int, size: int, kv_heads: int) -> Any:
+    """The K/V heads Ulysses rank ``rank`` of ``size`` needs for its query heads: its K/size of them, or — fewer
+    K/V heads than ranks — the one its queries share (query head h reads K/V head h // (H/K))."""
+    if kv_heads >= size:
+        per = kv_heads // size
+        return np.arange(rank * per, (rank + 1) * per)
+    return np.array([rank * kv_heads // size])
+
+
+class KVToHeads(Function):
+    """Grouped-query K|V, (B, T/cp, 2·K·D) -> (B, T, 2·k'·D): every position, the k' K/V heads this rank's query
+    heads read (:func:`kv_heads_of`; k' = K/cp, or 1 shared by cp/K ranks). One pairwise all-to-all of the K heads,
+    never the H they are repeated to. Backward sends each rank's gradient of those heads back; a head shared by
+    several ranks sums their parts."""
+
+    autocast = False  # moves data: keeps its dtype (16-bit messages under mixed precision)
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, comm: Communicator, kv_heads: int) -> Any:
+        B, t, width = x.shape
+        n, K = comm.size, kv_heads
+        ctx.comm, ctx.shape = comm, (B, t, 2, K, width // (2 * K))
+        ctx.needed = [kv_heads_of(j, n, K) for j in range(n)]
+        x5 = x.reshape(ctx.shape)
+        blocks = xp.ascontiguousarray(xp.stack([x5[:, :, :, to_device(heads)] for heads in ctx.needed]))
+        got = comm.all_to_all(blocks.reshape(-1), label="cp_forward", algorithm="pairwise").reshape(blocks.shape)
+        return xp.ascontiguousarray(got.transpose(1, 0, 2, 3, 4, 5)).reshape(B, n * t, -1)  # block i: rank i's positions
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        B, t, _, K, D = ctx.shape
+        n = ctx.comm.size
+        blocks = xp.ascontiguousarray(g.reshape(B, n, t, 2, -1, D).transpose(1, 0, 2, 3, 4, 5))
+        back = ctx.comm.all_to_all(blocks.reshape(-1), label="cp_backward", algorithm="pairwise").reshape(blocks.shape)
+        grad = xp.zeros(ctx.shape, dtype=g.dtype)
+        for j, heads in enumerate(ctx.needed):  # from rank j: this rank's positions of the heads j reads
+            grad[:, :, :, to_device(heads)] += back[j]
+        return grad.reshape(B, t, 2 * K * D), None, None
+
+
 class UlyssesAttention:
-    """Causal self-attention of a (B, T/cp, 3·H·D) q|k|v shard: all-to-all to heads, attend, all-to-all back."""
+    """Causal self-attention of a (B, T/cp, (H + 2K)·D) q|k|v shard: all-to-all to heads, attend, all-to-all
+    back. With K = H one all-to-all moves q|k|v; with grouped-query heads q moves as H heads and k|v as the K
+    heads they are (:class:`KVToHeads`), repeated only inside the attention."""
 
     def __init__(self, comm: Communicator):
         self.comm = comm
 
-    def __call__(self, qkv: Tensor, n_head: int, scale: float | None) -> Tensor:
-        heads = SequenceToHeads.apply(qkv, self.comm, n_head, 3)
-        y = ops.causal_self_attention(heads, n_head // self.comm.size, scale)
+    def __call__(self, qkv: Tensor, n_head: int, scale: float | None, kv_heads: int | None = None) -> Tensor:
+        n, K = self.comm.size, kv_heads or n_head
+        if K == n_head:
+            heads = SequenceToHeads.apply(qkv, self.comm, n_head, 3)
+            y = ops.causal_self_attention(heads, n_head // n, scale)
+        else:
+            D = qkv.shape[-1] // (n_head + 2 * K)
+            q = SequenceToHeads.apply(qkv[:, :, :n_head * D], self.comm, n_head, 1)
+            kv = KVToHeads.apply(qkv[:, :, n_head * D:], self.comm, K)
+            y = ops.causal_self_attention(ops.concat([q, kv], axis=2), n_head // n, scale,
+                                          kv_heads=len(kv_heads_of(0, n, K)))
         return HeadsToSequence.apply(y, self.comm, n_head)
 
 
@@ -159,12 +209,14 @@ class RingAttention(Function):
 
     @staticmethod
     def forward(ctx: Context, qkv: Any, comm: Communicator, n_head: int, scale: float | None, split: str,
-                work: dict[str, float]) -> Any:
+                work: dict[str, float], kv_heads: int | None = None) -> Any:
         B, t, width = qkv.shape
-        H, D = n_head, width // (3 * n_head)
+        H, K = n_head, kv_heads or n_head
+        D = width // (H + 2 * K)
         storage = qkv.dtype
         compute = xp.float32 if is_low_precision(storage) else storage
-        q, k, v = qkv.reshape(B, t, 3, H, D).transpose(2, 0, 3, 1, 4)  # (B, H, t, D) views
+        heads = qkv.reshape(B, t, H + 2 * K, D).transpose(0, 2, 1, 3)
+        q, k, v = heads[:, :H], heads[:, H:H + K], heads[:, H + K:]  # (B, heads, t, D) views
         qf = q.astype(compute, copy=False)
         scale = 1.0 / math.sqrt(D) if scale is None else scale
         r, N = comm.rank, comm.size
@@ -172,7 +224,7 @@ class RingAttention(Function):
         mine = positions_of(r)
         m = xp.full((B, H, t), -xp.inf, dtype=compute)
         l, o = xp.zeros((B, H, t), compute), xp.zeros((B, H, t, D), compute)
-        kv = xp.ascontiguousarray(xp.stack([k, v]))  # what travels: the storage dtype
+        kv = xp.ascontiguousarray(xp.stack([k, v]))  # what travels: the K heads, in the storage dtype
         for s in range(N):
             if s < N - 1:  # the next block is on its way while this one is computed
                 arriving = xp.empty_like(kv)
@@ -181,7 +233,7 @@ class RingAttention(Function):
             masked = positions_of((r - s) % N)[None, :] > mine[:, None]
             if not masked.all():
                 work["pairs"] += int((~masked).sum()) * B * H
-                kf, vf = kv.astype(compute, copy=False)
+                kf, vf = (ops.repeat_heads(a, H) for a in kv.astype(compute, copy=False))
                 scores = xp.where(masked, -xp.inf, (qf @ xp.swapaxes(kf, -1, -2)) * scale)
                 m_new = xp.maximum(m, scores.max(axis=-1))
                 safe = xp.where(xp.isfinite(m_new), m_new, 0.0)
@@ -205,6 +257,7 @@ class RingAttention(Function):
         q, k, v, out, lse = ctx.saved
         comm, scale, positions_of, compute = ctx.comm, ctx.scale, ctx.positions_of, ctx.compute
         B, H, t, D = q.shape
+        K = k.shape[1]
         r, N = comm.rank, comm.size
         mine = positions_of(r)
         do = xp.ascontiguousarray(g.reshape(B, t, H, D).transpose(0, 2, 1, 3)).astype(compute, copy=False)
@@ -216,19 +269,21 @@ class RingAttention(Function):
             masked = positions_of((r - s) % N)[None, :] > mine[:, None]
             if not masked.all():
                 kj, vj, dkj, dvj = travel.astype(compute, copy=False)
+                kj, vj = ops.repeat_heads(kj, H), ops.repeat_heads(vj, H)
                 scores = xp.where(masked, -xp.inf, (q @ xp.swapaxes(kj, -1, -2)) * scale)
                 p = xp.exp(scores - lse[..., None])
-                dvj += xp.swapaxes(p, -1, -2) @ do
+                dvj += ops.fold_heads(xp.swapaxes(p, -1, -2) @ do, K)
                 ds = p * (do @ xp.swapaxes(vj, -1, -2) - delta[..., None])
                 dq += (ds @ kj) * scale
-                dkj += (xp.swapaxes(ds, -1, -2) @ q) * scale
+                dkj += ops.fold_heads(xp.swapaxes(ds, -1, -2) @ q, K) * scale
                 travel[2], travel[3] = dkj, dvj  # (no-ops in full precision: views)
             arriving = xp.empty_like(travel)  # every block moves on, N hops in all: home again at the end
             receive = comm.irecv(arriving, (r - 1) % N, _RING_TAG + 1)
             comm.isend(travel, (r + 1) % N, _RING_TAG + 1, label="cp_backward").wait()
             travel = receive.wait()
-        dqkv = xp.stack([dq.astype(travel.dtype, copy=False), travel[2], travel[3]]).transpose(1, 3, 0, 2, 4)  # (B, t, 3, H, D)
-        return xp.ascontiguousarray(dqkv).reshape(B, t, 3 * H * D), None, None, None, None, None
+        dqkv = xp.concatenate([dq.astype(travel.dtype, copy=False), travel[2], travel[3]], axis=1)  # (B, H + 2K, t, D)
+        return (xp.ascontiguousarray(dqkv.transpose(0, 2, 1, 3)).reshape(B, t, (H + 2 * K) * D), None, None, None, None,
+                None, None)
 
 
 class RingAttentionCore:
@@ -239,8 +294,8 @@ class RingAttentionCore:
     def __init__(self, comm: Communicator, split: str, work: dict[str, float]):
         self.comm, self.split, self.work = comm, split, work
 
-    def __call__(self, qkv: Tensor, n_head: int, scale: float | None) -> Tensor:
-        return RingAttention.apply(qkv, self.comm, n_head, scale, self.split, self.work)
+    def __call__(self, qkv: Tensor, n_head: int, scale: float | None, kv_heads: int | None = None) -> Tensor:
+        return RingAttention.apply(qkv, self.comm, n_head, scale, self.split, self.work, kv_heads)
 
 
 def check_context_parallel(cfg: Any, cp: int, tp: int, kind: str, split: str) -> None:
@@ -254,6 +309,10 @@ def check_context_parallel(cfg: Any, cp: int, tp: int, kind: str, split: str) ->
     if kind == "ulysses" and (cfg.n_head // tp) % cp:
         raise ValueError(f"--cp {cp} (Ulysses) splits the attention heads of each tp rank: n_head / tp = "
                          f"{cfg.n_head // tp} must be divisible by it")
+    kv = max(1, cfg.kv_heads // tp)  # the K/V heads of a tp rank (one, shared, when tp > K)
+    if kind == "ulysses" and kv % cp and cp % kv:
+        raise ValueError(f"--cp {cp} (Ulysses) with {kv} key/value heads per tp rank: one must divide the other — "
+                         "each rank receives its share of them, or the one its query heads share")
 
 
 def context_slice(a: np.ndarray, comm: Communicator, split: str) -> np.ndarray:
