@@ -393,13 +393,33 @@ def test_bad_deepseek_flags_are_refused_in_one_line(flags, message):
     assert out.returncode != 0 and message in out.stderr.strip().splitlines()[-1], out.stderr
 
 
-@pytest.mark.parametrize("layout,message", [
-    (dict(tp=2, sp=True), "--mtp-depth with --sp or --cp"),
-    (dict(cp=2), "--mtp-depth with --sp or --cp"),
-    (dict(tp=3), "--tp 3 must divide n_head"),
+@pytest.mark.parametrize("layout,depth,message", [
+    (dict(tp=2, sp=True), 1, "--mtp-depth with --sp or --cp"),
+    (dict(cp=2), 1, "--mtp-depth with --sp or --cp"),
+    (dict(tp=3), 0, "--tp 3 must divide n_head"),
+    (dict(tp=2, sp=True, precision="fp8"), 0, "fp8 with --arch deepseek and --sp"),
 ])
-def test_layouts_that_cannot_hold_deepseek_are_refused(layout, message):
+def test_layouts_that_cannot_hold_deepseek_are_refused(layout, depth, message):
     from minipar.parallel.layout import Layout
 
     with pytest.raises(ValueError, match=message):
-        Layout(**layout).validate(DeepSeekConfig(**CONFIGS[0], mtp_depth=1), batch_size=4)
+        Layout(**layout).validate(DeepSeekConfig(**CONFIGS[0], mtp_depth=depth), batch_size=4)
+
+
+def test_ring_attention_sends_the_expanded_heads(tmp_path):
+    """Under ring context parallelism minipar's MLA sends every head's k and v (padded to W = max(N + R, V) = 6
+    here), as the planner counts them: (cp − 1)·2·B·H·W·t values per layer forward, cp·4·B·H·W·t backward. The
+    latent and rope key (r_kv + R = 14 values per token, against 2·H·W = 48) would be 14/48 of it — docs/
+    architecture.md says why minipar does not send them (each rank would expand every other rank's latent)."""
+    from minipar.parallel import planner
+    from minipar.testing import train_cli
+
+    records = train_cli([*DEEPSEEK, "--steps", "1", "--cp", "2"], 2, timeout=120)[0]
+    B, H, W, t, L, cp = 4, 4, 6, 8, 4, 2
+    sent = records[0]["comm_bytes_by_op"]
+    assert sent["cp_forward"] == L * (cp - 1) * 2 * B * H * W * t * 8
+    assert sent["cp_backward"] == L * cp * 4 * B * H * W * t * 8
+    cfg = DeepSeekConfig(n_layer=4, n_head=4, n_embd=16, n_inner=24, q_lora_rank=8, kv_lora_rank=12,
+                         qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=6, block_size=16)
+    assert planner.context_bytes(cfg, planner.Layout(cp=2), B * t * 8)["kv"] == 2 * B * H * W * t * 8
+    assert (cfg.kv_lora_rank + cfg.qk_rope_head_dim) / (2 * H * W) == 14 / 48

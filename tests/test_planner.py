@@ -448,3 +448,67 @@ def planner_args(flags):
     """--name value pairs as {name: int or str}."""
     pairs = dict(zip(flags[::2], flags[1::2]))
     return {k[2:].replace("-", "_"): int(v) if v.isdigit() else v for k, v in pairs.items()}
+
+
+def test_attention_terms_of_grouped_query_and_latent_attention():
+    """The core's FLOPs, 2·b·T²·H·(D_qk + D_v): GPT-2's 4·b·T²·C, unchanged by grouped K/V heads, and for DeepSeek
+    its heads as the core computes them (q, k, v padded to W = max(nope + rope, v)). Context parallelism's bytes
+    per layer and token on a rank: ring attention's K|V as the K heads a tp rank holds (one, shared, when tp > K) —
+    what tests/test_context_parallel.py measures in the engine — and Ulysses' copy of the one K/V head its queries
+    share when a tp rank holds fewer than cp."""
+    from minipar.models.deepseek import DeepSeekConfig
+    from minipar.models.llama import LlamaConfig
+
+    llama = LlamaConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_kv_head=1, n_embd=16, n_inner=24)
+    mla = DeepSeekConfig(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=16, n_inner=24, kv_lora_rank=8,
+                         qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=6)
+    b, T = 3, 16
+    for tp, cp in ((1, 1), (2, 2)):
+        layout = planner.Layout(tp=tp, cp=cp)
+        assert planner.attention_core_flops(CFG, b, layout) == 4 * b * 64 * 64 * CFG.n_embd / (tp * cp)
+        assert planner.attention_core_flops(llama, b, layout) == 4 * b * T * T * 16 / (tp * cp)
+        assert planner.attention_core_flops(mla, b, layout) == 2 * b * T * T * 4 * (6 + 6) / (tp * cp)
+    one = planner.context_bytes(llama, planner.Layout(cp=2), 1.0)
+    assert (one["q"], one["kv"], one["out"]) == (4 * 4, 1 * 8, 4 * 4)
+    assert one["kv_sent_ulysses"] == (2 - 1) * 1 * 8  # a copy of the one K/V head to the other rank
+    assert planner.context_bytes(llama, planner.Layout(tp=2, cp=2), 1.0)["kv"] == 1 * 8  # tp > K: one, shared
+    assert planner.context_bytes(mla, planner.Layout(cp=2), 1.0)["kv"] == 4 * (6 + 6)  # every head, padded
+    alpha, beta = 1e-5, 1e-9
+    slow = planner.Profile("slow", flops=1e15, bandwidth=1e15, op_overhead=0.0, memory=1e12, devices_per_node=64,
+                           intra=planner.Link(alpha, beta), inter=planner.Link(alpha, beta))
+    tokens = 16 * T // 2  # 16 sequences, half of each on a rank
+    for kind in ("ring", "ulysses"):
+        cp = planner.predict(llama, 16, planner.Layout(cp=2, cp_kind=kind), slow).breakdown["cp_comm"]
+        block = 2 * 16 * (T // 2) ** 2 * 4 * 8 / slow.flops  # one query block against one key block
+        if kind == "ring":
+            kv = tokens * 8 * 4  # K|V: one head of 4 + 4, float32
+            expected = 2 * (max(0.0, alpha + kv * beta - block) + 2 * (alpha + 2 * kv * beta))
+        else:  # q (4 heads of 4) and the output each an all-to-all, the shared K/V head one message, both ways
+            half = lambda n: alpha + n / 2 * beta  # noqa: E731  (cp − 1 = 1 message of (cp − 1)/cp of n)
+            expected = 2 * 2 * (half(tokens * 16 * 4) + (alpha + tokens * 8 * 4 * beta) + half(tokens * 16 * 4))
+        assert cp == pytest.approx(expected, rel=1e-12)
+
+
+def test_multi_token_prediction_adds_a_block_a_projection_and_a_head():
+    """Each MTP depth on the last stage: one more block's GEMMs (the model's own arrays, 3 passes), the 2C → C
+    projection and the head's 6·t·C·V; its activations a block's (Korthikanti's count, float32: ×4/2) and another
+    set of logits and their gradient."""
+    from minipar.models.deepseek import DeepSeek, DeepSeekConfig
+
+    fields = dict(vocab_size=64, block_size=16, n_layer=2, n_head=4, n_embd=16, n_inner=24, kv_lora_rank=8,
+                  qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
+    flat = planner.Profile("flat", flops=1e12, bandwidth=1e30, op_overhead=0.0, memory=1e12, devices_per_node=8,
+                           intra=planner.Link(0, 0), inter=planner.Link(0, 0))
+    base, mtp = (DeepSeekConfig(**fields, mtp_depth=d) for d in (0, 1))
+    layout = planner.Layout()
+    t, C, V = 4 * 16, 16, 64
+    block = DeepSeek(base).transformer.h[0]
+    weights = sum(p.size for name, p in block.named_parameters() if p.ndim == 2)
+    core = 2 * 4 * 16 * 16 * 4 * (6 + 6)  # b = 4 sequences, T = 16, H = 4, padded width 6
+    expected = (3 * (2 * t * weights + core) + 3 * 2 * t * 2 * C * C + 6 * t * C * V) / flat.flops
+    compute = [planner.predict(cfg, 4, layout, flat).breakdown["compute"] for cfg in (base, mtp)]
+    assert compute[1] - compute[0] == pytest.approx(expected, rel=1e-12)
+    (_, before), (_, after) = (planner.memory_per_rank(cfg, 4, layout) for cfg in (base, mtp))
+    whole, split = base.activation_units()
+    scores = 5 * 4 * 16 / C  # Korthikanti's 5·a·s/h
+    assert after - before == pytest.approx(t * C * (whole + split + scores) * 4 / 2 + 2 * t * V * 4, rel=1e-12)

@@ -110,6 +110,27 @@ class DeepSeekConfig(LlamaConfig):
         keys_values = C * (r_kv + self.qk_rope_head_dim) + r_kv * H * (self.qk_nope_head_dim + self.v_head_dim)
         return queries + keys_values + H * self.v_head_dim * C, 3 * C * self.mlp_width
 
+    def attention_widths(self) -> tuple[int, int, int, int]:
+        """The core's heads: H of every kind, q, k and v zero-padded to W = max(nope + rope, v) (LatentAttention)."""
+        width = max(self.qk_head_dim, self.v_head_dim)
+        return self.n_head, self.n_head, width, width
+
+    def activation_units(self) -> tuple[float, float]:
+        """Korthikanti et al.'s count (16-bit bytes per s·b·h) for MLA: whole on every tp rank — the two norms' and
+        the attention's and MLP's inputs (8), the latents the down-projections make and their norms' outputs
+        (2·(2·r_q + (r_kv + R) + r_kv)/h); split — q, k and v as the core receives them (padded to W) and its
+        output (2·H·(3W + V)/h), the SwiGLU's gate | up and product (6·I/h)."""
+        h, H, width = self.n_embd, self.n_head, self.attention_widths()[2]
+        latents = 2 * self.q_lora_rank + 2 * self.kv_lora_rank + self.qk_rope_head_dim
+        return 8 + 2 * latents / h, 2 * H * (3 * width + self.v_head_dim) / h + 6 * self.mlp_width / h
+
+    def fp8_input_units(self) -> tuple[float, float]:
+        """The FP8 Linears' inputs among them: whole — x into the down-projections (or q_proj), the latents into
+        the up-projections, the MLP's input; split — the attention output (H·V) and the SwiGLU product (I)."""
+        latents = 2 * (self.q_lora_rank + self.kv_lora_rank) / self.n_embd
+        dense = 0.0 if self.n_expert else 2.0
+        return 2.0 + latents + dense, 2 * self.n_head * self.v_head_dim / self.n_embd + dense * self.mlp_width / self.n_embd
+
     def num_parameters(self, layers: int | None = None, final_norm: bool = True) -> int:
         """Per block: the attention's matrices (layer_weights), its latent norms (q_lora_rank + kv_lora_rank), the
         SwiGLU's 3·C·I and two norms 2C; the embedding V·C (twice when untied), the final norm C; per MTP module

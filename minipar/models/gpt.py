@@ -82,6 +82,10 @@ class GPTConfig:
         C = self.n_embd
         return 4 * C * C, 8 * C * C
 
+    def attention_widths(self) -> tuple[int, int, int, int]:
+        """(query heads, key/value heads, q·k width, v width per head) as the attention core computes them."""
+        return self.n_head, self.kv_heads, self.head_dim, self.head_dim
+
     def tp_replicated_parameters(self, layers: int, final_norm: bool) -> int:
         """Parameters every tp rank holds whole: per block the two layer norms and the two row-parallel biases
         (6C), the position table, ln_f."""

@@ -149,6 +149,9 @@ class Layout:
                 raise ValueError(f"--precision fp8 --fp8-recipe {self.fp8_recipe} with --tp or --cp: its blocks along a "
                                  "cut dimension (features, or tokens) would have to start where the slices do "
                                  "(tensorwise and rowwise reduce their amax over the ranks instead)")
+            if self.sp and hasattr(cfg, "kv_lora_rank"):
+                raise ValueError("--precision fp8 with --arch deepseek and --sp: the latent down-projections run on "
+                                 "sequence shards, so their FP8 scales would need an amax over the tp ranks (not built)")
             if self.tp > cfg.kv_heads:
                 raise ValueError(f"--precision fp8 with --tp {self.tp} > --n-kv-head {cfg.kv_heads}: a K/V head shared "
                                  "by several tp ranks gets partial output gradients there, which FP8 would scale apart")

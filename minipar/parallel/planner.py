@@ -10,6 +10,9 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
               ``passes_replicated``·t·C (layer norms, dropout, residuals: on every tp rank, ÷tp with sp) and
               ``passes_att``·b·H·T²/tp (unfused attention scores; the forward's 40% again with selective
               recomputation), + ``ops_per_layer`` launches at ``op_overhead``; the head adds 6·t·C·V/tp.
+              12C² is cfg.layer_weights() (Llama's GQA and SwiGLU, DeepSeek's latent projections), 4·b·T²·C the
+              core's 2·b·T²·H·(D_qk + D_v) (:func:`attention_core_flops`; DeepSeek's heads padded to one width);
+              each of DeepSeek's D MTP modules adds a layer, its 2C → C projection and a head on the last stage
     tensor    4 ring all-reduces of t·C values per layer and microbatch (6 with full recomputation: the
               recomputed forward repeats its two): 2(tp−1)α + 2(tp−1)/tp·nβ each
     pipeline  m microbatch slots of the slowest stage stretched by the schedule's bubble f
@@ -26,10 +29,12 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
               gather; + the AdamW pass
     context   cp ranks split each sequence: per rank t/cp tokens and 1/cp of the attention FLOPs (zigzag
               balances the causal work). Ring: per layer and microbatch cp−1 exchanges of K|V
-              (2·t·C/(cp·tp) values) forward, each hidden behind the attention of the block in hand
+              (t/cp·K'·(D_qk + D_v) values, K' = the K/V heads of a tp rank, never repeated to H:
+              :func:`context_bytes`) forward, each hidden behind the attention of the block in hand
               (exposed: max(0, exchange − block attention)), and cp exchanges of K|V|dK|dV backward,
-              not hidden. Ulysses: per layer two all-to-alls each way of (3 + 1)·t·C/(cp·tp) values,
-              (cp−1)α + (cp−1)/cp·nβ each.
+              not hidden. Ulysses: per layer, each way, all-to-alls of q|k|v and of the output — for GPT-2
+              (3 + 1)·t·C/(cp·tp) values —, (cp−1)α + (cp−1)/cp·nβ each (grouped K/V heads: their own
+              all-to-all, or one copy to each rank of the head its queries share).
     sequence  Megatron-SP turns each tp all-reduce into an all-gather + reduce-scatter: the same time
     experts   with E experts (top-k, capacity factor c) the MLP computes the c·k·t rows of its capacity
               slots, whole on every tp rank: 2·c·k·t·8C²·3 FLOPs instead of 2·t·8C²·3/tp. Expert
@@ -189,7 +194,7 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     recompute = layout.recompute
     passes = 4.0 if recompute == "full" else 3.0  # forward + backward (+ the forward again)
 
-    attention_flops = 4 * b * T * T * C / (tp * cp)
+    attention_flops = attention_core_flops(cfg, b, layout)
     mlp_rows = expert_rows(cfg, t) if cfg.n_expert else t / tp  # a mixture-of-experts MLP is whole on every tp rank
     attention_weights, mlp_weights = cfg.layer_weights()
     mlp_weights = 8 * C * C if cfg.n_expert else mlp_weights  # each expert: a 4C GELU MLP (models/moe.py)
@@ -214,7 +219,7 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     all_reduces = forward_all_reduces * (3 if recompute == "full" else 2)
     tp_time = (all_reduces * L / pp + 2) * _ring_all_reduce(t * C * itemsize, tp, tp_link) if tp > 1 else 0.0
     cp_link = profile.link(cp, cp * tp)
-    cp_time = math.ceil(L / pp) * context_time(layout, t * C / tp * itemsize, attention_flops / flops / cp,
+    cp_time = math.ceil(L / pp) * context_time(cfg, layout, t * itemsize, attention_flops / flops / cp,
                                                cp_link) if cp > 1 else 0.0
     if cp > 1 and cfg.n_expert:  # each MoE layer's routing: an all-gather of the k experts of t tokens (int64)
         route = (cp - 1) * (cp_link.alpha + t * cfg.expert_top_k * 8 * cp_link.beta)
@@ -224,7 +229,9 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     pipeline = layout.pipeline_schedule()
     pp_bytes = t * C * itemsize / (tp if profile.p2p_split else 1)
     pp_time = 2 * pipeline.v * (pp_link.alpha + pp_bytes * pp_link.beta) if pp > 1 else 0.0
-    stage_compute = (math.ceil(L / pp) * layer_time + head_time) * share
+    mtp = getattr(cfg, "mtp_depth", 0)  # DeepSeek's MTP modules, on the last stage: a block, the 2C → C projection
+    mtp_time = mtp * (layer_time + 3 * 2 * t * 2 * C * C / flops + head_time)  # (whole on every tp rank), the head
+    stage_compute = (math.ceil(L / pp) * layer_time + head_time + mtp_time) * share
     microbatch = stage_compute + tp_time + cp_time + ep_time + pp_time
     pipeline_time = m * microbatch / (1 - pipeline.bubble()) if pp > 1 else m * microbatch
 
@@ -322,16 +329,41 @@ def local_parameter_groups(cfg: Any, layout: Layout) -> list[tuple[float, int, i
     return groups + ([(experts / layout.ep, replicas // layout.ep, expert_shards)] if experts else [])
 
 
-def context_time(layout: Layout, shard_bytes: float, block_attention: float, link: Link) -> float:
-    """Exposed seconds of context parallelism per layer and microbatch; ``shard_bytes`` is one of q, k, v on a rank
-    (t·C/tp values), ``block_attention`` the forward attention of one query block against one key block."""
-    cp = layout.cp
-    if layout.cp_kind == "ulysses":  # 2 all-to-alls forward (q|k|v, output), 2 backward, pairwise
+def attention_core_flops(cfg: Any, b: float, layout: Layout) -> float:
+    """Forward FLOPs of one layer's attention core on a rank: q·kᵀ and P·v, 2·b·T²·H·(D_qk + D_v)/(tp·cp)
+    (4·b·T²·C for GPT-2; DeepSeek's heads as its core computes them, padded: cfg.attention_widths)."""
+    H, _, d_qk, d_v = cfg.attention_widths()
+    return 2 * b * cfg.block_size ** 2 * H * (d_qk + d_v) / (layout.tp * layout.cp)
+
+
+def context_bytes(cfg: Any, layout: Layout, token_bytes: float) -> dict[str, float]:
+    """Bytes per layer of context parallelism's blocks on a rank, ``token_bytes`` = t·itemsize (its t tokens):
+    q (its H/tp heads), k|v (the K heads a tp rank holds — one, shared, when tp > K — as the engine sends them,
+    never repeated to H), the output; Ulysses' share of k|v for each rank (K/cp heads, or the one its queries
+    share: context_parallel.kv_heads_of)."""
+    H, K, d_qk, d_v = cfg.attention_widths()
+    tp, cp = layout.tp, layout.cp
+    heads, kv = H // tp, max(1, K // tp)
+    per_rank = kv // cp if kv >= cp else 1
+    return {"q": token_bytes * heads * d_qk, "kv": token_bytes * kv * (d_qk + d_v), "out": token_bytes * heads * d_v,
+            "kv_sent_ulysses": (cp - 1) * token_bytes * per_rank * (d_qk + d_v), "grouped": kv != heads,
+            "kv_shared": kv < cp}
+
+
+def context_time(cfg: Any, layout: Layout, token_bytes: float, block_attention: float, link: Link) -> float:
+    """Exposed seconds of context parallelism per layer and microbatch (:func:`context_bytes`);
+    ``block_attention`` the forward attention of one query block against one key block."""
+    cp, sizes = layout.cp, context_bytes(cfg, layout, token_bytes)
+    if layout.cp_kind == "ulysses":  # all-to-alls forward (q|k|v, output) and backward, pairwise
         all_to_all = lambda n: (cp - 1) * link.alpha + (cp - 1) / cp * n * link.beta  # noqa: E731
-        return 2 * (all_to_all(3 * shard_bytes) + all_to_all(shard_bytes))
+        if not sizes["grouped"]:  # q|k|v in one all-to-all
+            return 2 * (all_to_all(sizes["q"] + sizes["kv"]) + all_to_all(sizes["out"]))
+        kv = ((cp - 1) * link.alpha + sizes["kv_sent_ulysses"] * link.beta if sizes["kv_shared"]
+              else all_to_all(sizes["kv"]))  # K/cp heads to each rank, or a copy of the one each rank's queries read
+        return 2 * (all_to_all(sizes["q"]) + kv + all_to_all(sizes["out"]))
     exchange = lambda n: link.alpha + n * link.beta  # noqa: E731
-    forward = (cp - 1) * max(0.0, exchange(2 * shard_bytes) - block_attention)  # hidden behind the block in hand
-    return forward + cp * exchange(4 * shard_bytes)  # K|V|dK|dV around the ring, after each block's backward
+    forward = (cp - 1) * max(0.0, exchange(sizes["kv"]) - block_attention)  # hidden behind the block in hand
+    return forward + cp * exchange(2 * sizes["kv"])  # K|V|dK|dV around the ring, after each block's backward
 
 
 def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4) -> tuple[float, float]:
@@ -365,6 +397,8 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
     else:
         activations = layers * per_layer_act * in_flight
     logits = 2 * t * V / tp * itemsize
+    mtp = getattr(cfg, "mtp_depth", 0)  # DeepSeek's MTP modules on the last stage: a block and logits per depth
+    activations += mtp * (per_layer_act + logits)
     return states, activations + logits
 
 
