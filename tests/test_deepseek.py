@@ -344,6 +344,8 @@ LAYOUTS = {
     "cp2 ring zigzag": (2, ["--cp", "2"], [], 1),
     "tp2 sp cp2 ulysses": (4, ["--tp", "2", "--sp", "--cp", "2", "--cp-kind", "ulysses"], [], 1),
     "pp2 1f1b MTP": (2, ["--pp", "2", "--microbatches", "4", *MTP], MTP, 4),
+    "dp2 pp2 gpipe zero3 MTP": (4, ["--pp", "2", "--dp", "2", "--zero", "3", "--microbatches", "2", "--schedule", "gpipe",
+                               *MTP], MTP, 4),
     "pp2 dualpipev MTP tied": (2, ["--pp", "2", "--microbatches", "4", "--schedule", "dualpipev", "--tie-embeddings",
                                    *MTP], ["--tie-embeddings", *MTP], 4),
     "dp2 pp2 interleaved zero1 MTP": (4, ["--dp", "2", "--pp", "2", "--zero", "1", "--microbatches", "2", "--schedule",
@@ -406,6 +408,7 @@ def test_layouts_that_cannot_hold_deepseek_are_refused(layout, depth, message):
         Layout(**layout).validate(DeepSeekConfig(**CONFIGS[0], mtp_depth=depth), batch_size=4)
 
 
+@pytest.mark.slow  # a 2-rank run: the full suite; the fast subset has the grouped-query bytes
 def test_ring_attention_sends_the_expanded_heads(tmp_path):
     """Under ring context parallelism minipar's MLA sends every head's k and v (padded to W = max(N + R, V) = 6
     here), as the planner counts them: (cp − 1)·2·B·H·W·t values per layer forward, cp·4·B·H·W·t backward. The

@@ -50,6 +50,7 @@ def test_a_fault_on_one_rank_ends_the_job_in_seconds(tmp_path, phase, ranks, lay
     assert _no_temporaries(tmp_path)
 
 
+@pytest.mark.slow  # 4 s: the full suite; the fast subset keeps the one-rank fault ending the job in seconds
 def test_the_reported_checkpoint_hang_is_gone(tmp_path):
     """A directory where rank 1's shard belongs (the issue's reproduction): one line, no hang, no .tmp file."""
     os.makedirs(tmp_path / "ckx" / "step_000002" / "pp1-tp0.safetensors")

@@ -220,6 +220,7 @@ def test_the_tokenizer_travels_with_the_model(tmp_path, trained_bpe):
     assert not os.path.exists(tmp_path / "none" / "vocab.json")
 
 
+@pytest.mark.slow  # three CLI runs (5 s): the full suite; the fast subset loads a tokenizer with its model above
 def test_init_from_trains_with_the_directorys_tokenizer_and_precision(tmp_path, trained_bpe):
     """train --init-from DIR encodes the corpus with DIR's BPE (it trained on raw bytes, an IndexError below 256
     tokens), in the asked precision (bf16-mixed: 2-byte parameters; it trained in float32), and --save, --out,

@@ -169,6 +169,7 @@ def test_fp8_terms_are_their_closed_forms(tp, sp):
     assert planner.predict(CFG, b, fp8, no_fp8, 2).breakdown["compute"] == compute[bf16]
 
 
+@pytest.mark.slow  # two CLI runs: the full suite
 def test_plan_says_which_fp8_recipe_it_assumed():
     command = [sys.executable, "-m", "minipar", "plan", "--world", "4", "--profile", "h100-80gb", "--top", "2"]
     out = subprocess.run([*command, "--fp8-recipe", "rowwise"], capture_output=True, text=True, timeout=60)
