@@ -19,6 +19,7 @@ import numpy as np
 from minipar.models import config_from_dict
 from minipar.parallel.layout import Layout
 from minipar.parallel.tensor_parallel import merge_state_dicts
+from minipar.placement import REPLICATED
 from minipar.data import TOKENIZER_FILES, save_tokenizer
 from minipar.safetensors_io import atomic_write, decode_safetensors, encode_safetensors
 
@@ -252,7 +253,9 @@ def prune_checkpoints(root: str, keep_last: int) -> list[str]:
 
 
 def placements(model: GPT) -> dict[str, Any]:
-    return {name: p.placement for name, p in model.named_parameters()}
+    """Where each parameter lives; a buffer (a router's bias) is whole on every rank."""
+    return {**{name: p.placement for name, p in model.named_parameters()},
+            **{name: REPLICATED for name, _ in model.named_buffers()}}
 
 
 def restore_optimizer(optimizer: Any, model: GPT, mesh: Mesh, resumed: Checkpoint) -> None:
@@ -307,7 +310,8 @@ def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any,
         written = tuple(name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(step_dir, name)))
     names = {id(p): n for n, p in model.named_parameters()}
     own = {**engine.rank_state(), **(local_sgd.export_state(optimizer, names) if local_sgd else {})}
-    params = {**engine.gathered_state_dict(), **optimizer.master_state(names)}  # a 16-bit model's float32 masters
+    params = {**engine.gathered_state_dict(), **optimizer.master_state(names),  # a 16-bit model's float32 masters
+              **model.buffer_state()}
     state = {"param": params, **optimizer.export_state(names)}
     state = {kind: mesh.whole_state(tensors, placements(model), axes=("ep",))  # whole experts; tp slices as they are
              for kind, tensors in state.items()}

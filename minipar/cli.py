@@ -53,6 +53,13 @@ class HelpWithDefaults(argparse.HelpFormatter):
         return text
 
 
+def boolean(text: str) -> bool:
+    """A true/false flag value."""
+    if text.lower() not in ("true", "false"):
+        raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+    return text.lower() == "true"
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model")
     model.add_argument("--arch", choices=["gpt2", "llama", "deepseek"], default="gpt2",
@@ -88,7 +95,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--expert-top-k", type=int, default=2, help="experts per token (1: Switch gate, >1: renormalized)")
     model.add_argument("--capacity-factor", type=float, default=1.25,
                        help="each expert takes at most ⌈factor·k·tokens/E⌉ tokens per rank and microbatch; the rest drop")
-    model.add_argument("--aux-loss-coef", type=float, default=0.01, help="weight of the load-balancing loss")
+    model.add_argument("--aux-loss-coef", type=float, default=0.01,
+                       help="weight of the load-balancing loss (sigmoid router: DeepSeek-V3's sequence-wise one)")
+    model.add_argument("--moe-inner", type=int, default=0,
+                       help="an expert's width (0: the dense MLP's); narrow experts, many of them: fine-grained")
+    model.add_argument("--n-shared-expert", type=int, default=0, help="always-on experts added to every token")
+    model.add_argument("--first-dense-layers", type=int, default=0, help="blocks with a dense MLP before the MoE ones")
+    model.add_argument("--router", choices=["softmax", "softmax-topk", "sigmoid"], default="softmax",
+                       help="softmax: Switch/GShard; softmax-topk: Mixtral, Qwen3-MoE (gates over the k chosen); "
+                            "sigmoid: DeepSeek-V3 (a balancing bias, groups, routed scaling)")
+    model.add_argument("--norm-topk-prob", type=boolean, default=True, metavar="{true,false}",
+                       help="softmax-topk and sigmoid: renormalize the chosen gates (false: Qwen3's "
+                            "norm_topk_prob=false)")
+    model.add_argument("--routed-scaling", type=float, default=1.0, help="sigmoid: the gates' factor (V3: 2.5)")
+    model.add_argument("--expert-groups", type=int, default=1,
+                       help="sigmoid: group-limited routing over this many groups of experts (V3: 8)")
+    model.add_argument("--topk-groups", type=int, default=1,
+                       help="sigmoid: the groups each token may use, the best by their two best scores (V3: 4)")
+    model.add_argument("--bias-update", type=float, default=0.0,
+                       help="sigmoid: γ of auxiliary-loss-free balancing, each step b_i += γ·sign(mean load − "
+                            "load_i) (V3: 0.001; 0: the bias stays)")
 
     run = p.add_argument_group("optimization")
     run.add_argument("--steps", type=int, default=300, help="optimizer steps")
@@ -247,7 +273,8 @@ def model_config(args: argparse.Namespace, resumed: Checkpoint | None = None) ->
         return config_from_hf(args.init_from, dtype=model_dtype(args))
     shared = dict(vocab_size=256, block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head,
                   n_embd=args.n_embd, dtype=model_dtype(args), n_expert=args.n_expert, expert_top_k=args.expert_top_k,
-                  capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef)
+                  capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef,
+                  **{name: getattr(args, name) for name in MOE_FLAGS})
     if args.arch in ("llama", "deepseek"):
         llama = dict(n_kv_head=args.n_kv_head or 0, n_inner=args.n_inner or 0, rope_theta=args.rope_theta,
                      tie_word_embeddings=args.tie_embeddings)
@@ -257,10 +284,12 @@ def model_config(args: argparse.Namespace, resumed: Checkpoint | None = None) ->
     return GPTConfig(**shared)
 
 
+MOE_FLAGS = ("moe_inner", "n_shared_expert", "first_dense_layers", "router", "norm_topk_prob", "routed_scaling",
+             "expert_groups", "topk_groups", "bias_update")
 DEEPSEEK_FLAGS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_depth",
                   "mtp_weight")
 MODEL_FLAGS = ("arch", "n_layer", "n_head", "n_embd", "block_size", "n_expert", "expert_top_k", "capacity_factor",
-               "aux_loss_coef", "n_kv_head", "n_inner", "rope_theta", "tie_embeddings", *DEEPSEEK_FLAGS)
+               "aux_loss_coef", "n_kv_head", "n_inner", "rope_theta", "tie_embeddings", *MOE_FLAGS, *DEEPSEEK_FLAGS)
 FLAG_FIELDS = {"n_kv_head": "kv_heads", "n_inner": "mlp_width", "tie_embeddings": "tie_word_embeddings"}
 
 
@@ -272,6 +301,7 @@ FLAG_NEEDS: dict[str, tuple[str, Any]] = {
     "expert_top_k": ("--n-expert", lambda a: a.n_expert > 0 or bool(a.resume)),
     "capacity_factor": ("--n-expert", lambda a: a.n_expert > 0 or bool(a.resume)),
     "aux_loss_coef": ("--n-expert", lambda a: a.n_expert > 0 or bool(a.resume)),
+    **{name: ("--n-expert", lambda a: a.n_expert > 0 or bool(a.resume)) for name in MOE_FLAGS},
     "topk_ratio": ("--compression topk", lambda a: a.compression == "topk"),
     "powersgd_rank": ("--compression powersgd", lambda a: a.compression == "powersgd"),
     "outer_lr": ("--local-sgd", lambda a: a.local_sgd > 0),

@@ -35,6 +35,9 @@ class Parameter(Tensor):
 class Module:
     _forward_pre_hooks: tuple = ()
     _forward_hooks: tuple = ()
+    # attributes that are model state but not parameters: no gradient, no optimizer (a router's balancing bias);
+    # state_dict and load_state_dict carry them, checkpoints save them beside the parameters
+    buffers: tuple[str, ...] = ()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.hooked(self.forward, *args, **kwargs)
@@ -79,6 +82,13 @@ class Module:
             elif isinstance(value, Module):
                 yield from value._all_parameters(f"{prefix}{name}.")
 
+    def named_buffers(self, prefix: str = "") -> Iterator[tuple[str, Any]]:
+        for name in self.buffers:
+            if getattr(self, name, None) is not None:
+                yield prefix + name, getattr(self, name)
+        for name, child in self.named_children():
+            yield from child.named_buffers(f"{prefix}{name}.")
+
     def parameters(self) -> list[Parameter]:
         return [p for _, p in self.named_parameters()]
 
@@ -95,12 +105,15 @@ class Module:
         return sum(p.size for p in self.parameters())
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Host (numpy) copies of every parameter, by name."""
-        return {name: to_host(p.data).copy() for name, p in self.named_parameters()}
+        """Host (numpy) copies of every parameter and buffer, by name."""
+        return {**{name: to_host(p.data).copy() for name, p in self.named_parameters()}, **self.buffer_state()}
+
+    def buffer_state(self) -> dict[str, np.ndarray]:
+        return {name: to_host(b).copy() for name, b in self.named_buffers()}
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Copy arrays into the parameters of the same name, checking names, shapes and casting dtypes."""
-        params = dict(self.named_parameters())
+        params = {**dict(self.named_parameters()), **dict(self.named_buffers())}
         missing = sorted(set(params) - set(state))
         unexpected = sorted(set(state) - set(params))
         if strict and (missing or unexpected):
@@ -112,7 +125,14 @@ class Module:
             value = state[name]
             if tuple(value.shape) != tuple(p.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(value.shape)} != model shape {tuple(p.shape)}")
-            p.data = to_device(value, dtype=p.dtype)
+            if isinstance(p, Tensor):
+                p.data = to_device(value, dtype=p.dtype)
+            else:  # a buffer: the array attribute itself
+                *path, leaf = name.split(".")
+                owner = self
+                for part in path:
+                    owner = getattr(owner, part)
+                setattr(owner, leaf, to_device(value, dtype=p.dtype))
 
 
 class ModuleList(Module):

@@ -530,6 +530,24 @@ class RMSNorm(Function):
         return gx, gw, None
 
 
+class Sigmoid(Function):
+    """y = σ(x) = 1 / (1 + e^{−x});  dx = g ⊙ y(1 − y)."""
+
+    @staticmethod
+    def forward(ctx: Context, x: Any) -> Any:
+        y = xp.negative(x)
+        xp.exp(y, out=y)
+        y += 1.0
+        xp.reciprocal(y, out=y)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> Any:
+        (y,) = ctx.saved
+        return g * y * (1.0 - y)
+
+
 class SwiGLU(Function):
     """y = silu(a) ⊙ b of the packed (…, 2I) input [a | b] (Shazeer 2020; Llama's MLP: a = x W_gate, b = x W_up),
     silu(a) = a·σ(a).  da = g ⊙ b ⊙ σ(a)(1 + a(1 − σ(a))),  db = g ⊙ silu(a)."""
@@ -872,6 +890,7 @@ def layer_norm(x, w, b, eps: float = 1e-5) -> Tensor: return LayerNorm.apply(x, 
 def gelu(x) -> Tensor: return GELU.apply(x)
 def rms_norm(x, w, eps: float = 1e-6) -> Tensor: return RMSNorm.apply(x, w, eps)
 def swiglu(h) -> Tensor: return SwiGLU.apply(h)
+def sigmoid(x) -> Tensor: return Sigmoid.apply(x)
 def rope(x, cos, sin) -> Tensor: return Rope.apply(x, cos, sin)
 def embedding(idx, w) -> Tensor: return Embedding.apply(idx, w)
 def cross_entropy(logits, targets, ignore_index: int = -100) -> Tensor: return CrossEntropy.apply(logits, targets, ignore_index)

@@ -75,7 +75,7 @@ def full_state_dict(engine: Any, optimizer: Any, model: GPT, mesh: Mesh) -> dict
     """Every parameter whole, on every rank: gathered over the ZeRO shards, the tp slices, the pp stages — a 16-bit
     model's as its float32 masters (the weights the run trained, as PyTorch's mixed precision saves them)."""
     names = {id(p): n for n, p in model.named_parameters()}
-    local = {**engine.gathered_state_dict(), **optimizer.master_state(names)}
+    local = {**engine.gathered_state_dict(), **optimizer.master_state(names), **model.buffer_state()}
     return stage_state(mesh.whole_state(local, placements(model), axes=("tp",)), mesh.pp_comm)
 
 
@@ -161,6 +161,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                     scaler.update(finite=not overflow)
                 if not overflow:  # an fp16 step whose gradients overflowed is skipped, the scale backs off
                     optimizer.step()
+                    layout.update_router_bias(model, mesh)
             outer_round = local_sgd.step() if local_sgd else False
             state_bytes = engine.model_state_bytes(optimizer)
             optimizer.zero_grad()

@@ -134,11 +134,15 @@ def test_every_mode_flag_is_refused_without_its_mode():
              "save_interval": ["5"], "n_kv_head": ["2"], "n_inner": ["64"], "rope_theta": ["500"], "tie_embeddings": [],
              "fp8_recipe": ["rowwise"], "fp8_block": ["16"], "q_lora_rank": ["8"], "kv_lora_rank": ["8"],
              "qk_nope_head_dim": ["4"], "qk_rope_head_dim": ["4"], "v_head_dim": ["4"], "mtp_depth": ["1"],
-             "mtp_weight": ["0.1"]}
+             "mtp_weight": ["0.1"], "moe_inner": ["8"], "n_shared_expert": ["1"], "first_dense_layers": ["1"],
+             "router": ["sigmoid"], "norm_topk_prob": ["false"], "routed_scaling": ["2.5"], "expert_groups": ["2"],
+             "topk_groups": ["1"], "bias_update": ["0.001"]}
     mode = {"loss_scale": ["--precision", "fp16-mixed"], "topk_ratio": ["--compression", "topk"],
             "powersgd_rank": ["--compression", "powersgd"], "cp_kind": ["--cp", "2"], "cp_split": ["--cp", "2"],
             "no_prefetch": ["--zero", "3"], "save_interval": ["--save", "ckpt"],
-            **dict.fromkeys(("expert_top_k", "capacity_factor", "aux_loss_coef"), ["--n-expert", "4"]),
+            **dict.fromkeys(("expert_top_k", "capacity_factor", "aux_loss_coef", "moe_inner", "n_shared_expert",
+                             "first_dense_layers", "router", "norm_topk_prob", "routed_scaling", "expert_groups",
+                             "topk_groups", "bias_update"), ["--n-expert", "4"]),
             **dict.fromkeys(("outer_lr", "outer_momentum", "staleness"), ["--local-sgd", "4"]),
             **dict.fromkeys(("n_kv_head", "n_inner", "rope_theta", "tie_embeddings"), ["--arch", "llama"]),
             **dict.fromkeys(("fp8_recipe", "fp8_block"), ["--precision", "fp8"]),

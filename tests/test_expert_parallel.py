@@ -294,3 +294,42 @@ def test_bad_expert_layouts(ranks, args, message):
     with pytest.raises(AssertionError) as err:
         run_command(ranks, command, timeout=60)
     assert str(err.value).count(message) == 1 and "exit 2" in str(err.value)
+
+
+
+MODERN_MOE = ["--n-layer", "3", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
+              "--steps", "3", "--dtype", "float64", "--eval-interval", "0", "--json", "--lr", "3e-3",
+              "--n-expert", "8", "--expert-top-k", "2", "--moe-inner", "12", "--n-shared-expert", "1",
+              "--first-dense-layers", "1", "--capacity-factor", "0"]
+DEEPSEEK_MOE = ["--n-inner", "24", "--router", "sigmoid", "--expert-groups", "4", "--topk-groups", "2", "--routed-scaling", "2.5",
+                "--bias-update", "0.01", "--aux-loss-coef", "0.001"]
+# (ranks, the layout's flags, the model's) — the one-process reference runs dp·m microbatches
+TODAYS = {
+    "dp2 ep2 deepseek": (2, ["--dp", "2", "--ep", "2"], ["--arch", "deepseek", *DEEPSEEK_MOE]),
+    "dp2 zero3 mixtral": (2, ["--dp", "2", "--zero", "3"], ["--arch", "llama", "--n-inner", "24", "--router", "softmax-topk"]),
+    "dp4 ep2 hsdp qwen3": (4, ["--dp", "4", "--ep", "2", "--zero", "3", "--shard-group", "2"],
+                           ["--arch", "llama", "--n-inner", "24", "--router", "softmax-topk", "--norm-topk-prob", "false"]),
+    "tp2 sp deepseek": (2, ["--tp", "2", "--sp"], ["--arch", "deepseek", *DEEPSEEK_MOE]),
+    "cp2 ring gpt2 dropless": (2, ["--cp", "2"], []),
+    "pp2 1f1b deepseek": (2, ["--pp", "2", "--microbatches", "2"], ["--arch", "deepseek", *DEEPSEEK_MOE]),
+    "recompute full deepseek": (1, ["--recompute", "full"], ["--arch", "deepseek", *DEEPSEEK_MOE]),
+}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "dp2 ep2 deepseek" else pytest.mark.slow)
+                                  for n in TODAYS])
+def test_todays_moe_equals_one_process(tmp_path, name):
+    """Fine-grained SwiGLU experts, a shared expert, a first dense layer, dropless dispatch, and DeepSeek-V3's
+    sigmoid routing with groups, scaling, the sequence-wise loss and the bias update — on each axis equal to one
+    process (float64, rtol 1e-9), the router biases too (they travel in the checkpoint)."""
+    ranks, layout, model = TODAYS[name]
+    dp = int(layout[layout.index("--dp") + 1]) if "--dp" in layout else 1
+    m = int(layout[layout.index("--microbatches") + 1]) if "--microbatches" in layout else 1
+    parallel = train_cli([*MODERN_MOE, *model, *layout, "--save", str(tmp_path / "p")], ranks, timeout=240)[0]
+    single = train_cli([*MODERN_MOE, *model, "--microbatches", str(dp * m), "--save", str(tmp_path / "s")], 1)[0]
+    saved = load_checkpoint(str(tmp_path / "p")).params, load_checkpoint(str(tmp_path / "s")).params
+    assert_same_training((parallel, saved[0]), (single, saved[1]))
+    biases = [n for n in saved[1] if n.endswith("score_bias")]
+    assert bool(biases) == ("deepseek" in name)
+    for n in biases:  # moved by γ each step, the same on every rank
+        assert np.abs(saved[1][n]).max() > 0

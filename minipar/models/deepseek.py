@@ -137,12 +137,12 @@ class DeepSeekConfig(LlamaConfig):
         a block, three norms 3C and the 2C → C projection (counted with the whole model only)."""
         C = self.n_embd
         attention, mlp = self.layer_weights()
-        if self.n_expert:
-            mlp = C * self.n_expert + self.n_expert * (8 * C * C + 5 * C)
-        block = attention + self.q_lora_rank + self.kv_lora_rank + mlp + 2 * C
-        blocks = (self.n_layer if layers is None else layers) * block
+        whole_model, layers = layers is None, self.n_layer if layers is None else layers
+        block = attention + self.q_lora_rank + self.kv_lora_rank + 2 * C
+        moe = self.moe_blocks(layers)
+        blocks = layers * block + (layers - moe) * mlp + moe * sum(self.moe_parameters())
         table = self.vocab_size * C * (1 if self.tie_word_embeddings else 2)
-        mtp = self.mtp_depth * (block + 3 * C + 2 * C * C) if layers is None else 0
+        mtp = self.mtp_depth * (block + mlp + 3 * C + 2 * C * C) if whole_model else 0
         return blocks + table + (C if final_norm else 0) + mtp
 
 

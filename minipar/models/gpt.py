@@ -47,8 +47,17 @@ class GPTConfig:
     scale_attn_by_inverse_layer_idx: bool = False  # and / (layer index + 1)
     n_expert: int = 0  # > 0: every MLP is a mixture of this many experts (models/moe.py); 0: GPT-2's dense MLP
     expert_top_k: int = 2
-    capacity_factor: float = 1.25
+    capacity_factor: float = 1.25  # 0: dropless (every assignment kept)
     aux_loss_coef: float = 0.01
+    moe_inner: int = 0  # an expert's width; 0: the dense MLP's (mlp_width)
+    n_shared_expert: int = 0  # always-on experts (DeepSeek-V3: 1), one MLP n_shared_expert·moe_inner wide
+    first_dense_layers: int = 0  # blocks with the dense MLP before the MoE ones (DeepSeek-V3: 3)
+    router: str = "softmax"  # models/moe.py ROUTERS: softmax (Switch), softmax-topk (Mixtral, Qwen3), sigmoid (V3)
+    norm_topk_prob: bool = True  # softmax-topk, sigmoid: the chosen gates renormalized
+    routed_scaling: float = 1.0  # sigmoid: the gates' factor (DeepSeek-V3: 2.5)
+    expert_groups: int = 1  # sigmoid: group-limited routing over this many groups of experts (V3: 8) ...
+    topk_groups: int = 1  # ... of which each token uses this many (V3: 4)
+    bias_update: float = 0.0  # sigmoid: γ of auxiliary-loss-free balancing (V3: 0.001); 0: the bias stays
     arch: str = "gpt2"  # "llama": models/llama.py's LlamaConfig (minipar.models.config_from_dict picks the class)
 
     def __post_init__(self) -> None:
@@ -59,9 +68,48 @@ class GPTConfig:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_expert < 0 or (self.n_expert and not 1 <= self.expert_top_k <= self.n_expert):
             raise ValueError(f"expert_top_k ({self.expert_top_k}) must be between 1 and n_expert ({self.n_expert})")
-        if self.n_expert and (self.capacity_factor <= 0 or self.aux_loss_coef < 0):
-            raise ValueError("capacity_factor must be > 0 and aux_loss_coef >= 0")
+        if self.n_expert:
+            self._check_experts()
         resolve_dtype(self.dtype)
+
+    def _check_experts(self) -> None:
+        """The MoE fields' rules (models/moe.py), one line each."""
+        from minipar.models.moe import ROUTERS
+
+        E, k = self.n_expert, self.expert_top_k
+        if self.capacity_factor < 0 or self.aux_loss_coef < 0:
+            raise ValueError("capacity_factor must be >= 0 (0: dropless) and aux_loss_coef >= 0")
+        if self.router not in ROUTERS:
+            raise ValueError(f"unknown router {self.router!r}: expected one of {', '.join(ROUTERS)}")
+        if min(self.moe_inner, self.n_shared_expert, self.first_dense_layers, self.bias_update) < 0:
+            raise ValueError("moe_inner, n_shared_expert, first_dense_layers and bias_update must be >= 0")
+        if self.first_dense_layers >= self.n_layer:
+            raise ValueError(f"first_dense_layers {self.first_dense_layers} leaves no MoE layer of n_layer "
+                             f"{self.n_layer}: use n_expert 0 for a dense model")
+        if self.expert_groups < 1 or E % self.expert_groups:
+            raise ValueError(f"expert_groups {self.expert_groups} must divide n_expert {E}")
+        if not 1 <= self.topk_groups <= self.expert_groups:
+            raise ValueError(f"topk_groups {self.topk_groups} must be between 1 and expert_groups {self.expert_groups}")
+        if k > self.topk_groups * (E // self.expert_groups):
+            raise ValueError(f"expert_top_k {k} > the {self.topk_groups * (E // self.expert_groups)} experts of the "
+                             f"topk_groups {self.topk_groups} groups a token may use")
+        if (self.expert_groups > 1 or self.bias_update or self.routed_scaling != 1.0) and self.router != "sigmoid":
+            raise ValueError(f"expert groups, a bias update and routed scaling are the sigmoid router's (DeepSeek-V3): "
+                             f"router {self.router!r} has no bias")
+
+    expert_width = property(lambda self: self.moe_inner or self.mlp_width, doc="an expert's hidden width")
+
+    def moe_blocks(self, layers: int | None = None) -> int:
+        """How many of the first ``layers`` blocks (default all) are MoE layers."""
+        layers = self.n_layer if layers is None else layers
+        return max(0, layers - self.first_dense_layers) if self.n_expert else 0
+
+    def moe_parameters(self) -> tuple[int, int]:
+        """(the routed experts', the rest's) parameters of one MoE MLP: E experts of 3·C·I (SwiGLU) or 2·C·I + I + C
+        (GELU) each; the router C·E and the shared experts, one MLP n_shared·I wide."""
+        C, I, S = self.n_embd, self.expert_width, self.n_shared_expert * self.expert_width
+        mlp = (lambda width: 3 * C * width) if self.mlp_parts == 2 else (lambda width: 2 * C * width + width + C)
+        return self.n_expert * mlp(I), C * self.n_expert + (mlp(S) if S else 0)
 
     @property
     def head_dim(self) -> int:
@@ -112,11 +160,12 @@ class GPTConfig:
         return scale / (layer + 1) if self.scale_attn_by_inverse_layer_idx else scale
 
     def num_parameters(self, layers: int | None = None, final_norm: bool = True) -> int:
-        """Parameter count: 12C² + 13C per block (with E experts: 4C² + 8C + E·(8C² + 6C)), V·C + T·C for the
-        embeddings (the head is tied), 2C for ln_f."""
-        C, E = self.n_embd, self.n_expert
-        per_block = 12 * C * C + 13 * C if not E else 4 * C * C + 8 * C + E * (8 * C * C + 6 * C)
-        blocks = (self.n_layer if layers is None else layers) * per_block
+        """Parameter count: 12C² + 13C per block (a MoE block: 4C² + 8C + its MoE MLP, moe_parameters), V·C + T·C
+        for the embeddings (the head is tied), 2C for ln_f."""
+        C = self.n_embd
+        layers = self.n_layer if layers is None else layers
+        moe = self.moe_blocks(layers)
+        blocks = (layers - moe) * (12 * C * C + 13 * C) + moe * (4 * C * C + 8 * C + sum(self.moe_parameters()))
         return blocks + self.vocab_size * C + self.block_size * C + (2 * C if final_norm else 0)
 
 
@@ -162,8 +211,7 @@ class Block(Module):
         self.ln_1 = self.Norm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
         self.attn = self.Attention(cfg, layer)
         self.ln_2 = self.Norm(cfg.n_embd, cfg.layer_norm_epsilon, dtype=cfg.dtype)
-        self.mlp = MoEMLP(cfg.n_embd, cfg.n_expert, cfg.expert_top_k, cfg.capacity_factor, cfg.dtype) \
-            if cfg.n_expert else self.DenseMLP(cfg)
+        self.mlp = MoEMLP.for_config(cfg) if cfg.n_expert and layer >= cfg.first_dense_layers else self.DenseMLP(cfg)
 
     recompute = False  # full recomputation: keep only the block's input, run it again in backward
 

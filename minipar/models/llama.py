@@ -92,12 +92,13 @@ class LlamaConfig(GPTConfig):
         return 8.0, 8.0 + 4.0 * self.kv_heads / self.n_head + 6.0 * self.mlp_width / self.n_embd
 
     def num_parameters(self, layers: int | None = None, final_norm: bool = True) -> int:
-        """Per block: attention C·(H + 2K)·D + H·D·C, SwiGLU 3·C·I (with E experts: C·E router + E·(8C² + 5C)
-        GELU experts), two norms 2C; the embedding V·C (twice when untied); the final norm C."""
-        C, D, H, K, E = self.n_embd, self.head_dim, self.n_head, self.kv_heads, self.n_expert
-        mlp = 3 * C * self.mlp_width if not E else C * E + E * (8 * C * C + 5 * C)
-        per_block = C * (H + 2 * K) * D + H * D * C + mlp + 2 * C
-        blocks = (self.n_layer if layers is None else layers) * per_block
+        """Per block: attention C·(H + 2K)·D + H·D·C, SwiGLU 3·C·I (a MoE block: its MoE MLP, moe_parameters), two
+        norms 2C; the embedding V·C (twice when untied); the final norm C."""
+        C, D, H, K = self.n_embd, self.head_dim, self.n_head, self.kv_heads
+        layers = self.n_layer if layers is None else layers
+        moe = self.moe_blocks(layers)
+        per_block = C * (H + 2 * K) * D + H * D * C + 2 * C
+        blocks = layers * per_block + (layers - moe) * 3 * C * self.mlp_width + moe * sum(self.moe_parameters())
         table = self.vocab_size * C * (1 if self.tie_word_embeddings else 2)
         return blocks + table + (C if final_norm else 0)
 

@@ -331,10 +331,11 @@ def admit_across(mlp: MoEMLP, comm: Communicator, split: str, chosen: np.ndarray
     group = np.empty((B, T, k), np.int64)
     for rank in range(n):
         group[:, chunk_positions(rank, n, t, split)] = pieces[rank]
-    group_slot = priority_slots(group.reshape(B * T, k), E, mlp.capacity(B * T)).reshape(B, T, k)
+    assigned = np.bincount(group.ravel(), minlength=E)
+    group_slot = priority_slots(group.reshape(B * T, k), E, mlp.capacity(B * T, assigned)).reshape(B, T, k)
     kept = group_slot[:, chunk_positions(comm.rank, n, t, split)].reshape(B * t, k) >= 0
     slot, width = pack_slots(chosen.reshape(B * t, k), kept, E)
-    return slot, np.bincount(group.ravel(), minlength=E), B * T, width
+    return slot, assigned, B * T, width
 
 
 def context_parallel(model: GPT, comm: Communicator, kind: str = "ring", split: str = "zigzag") -> GPT:

@@ -142,6 +142,20 @@ def bytes_per_layer(rows_out: int, rows_in: int, n_expert: int, ep: int, width: 
             **({"ep_recompute": counts + rows} if recomputed else {})}
 
 
+def update_router_bias(model: Module, comm: Communicator) -> None:
+    """Auxiliary-loss-free balancing after a step (MoEMLP.update_bias): every layer's expert loads of the step —
+    its kept assignments over the microbatches — summed over the data-parallel replicas ``comm`` (dp·cp: the ranks
+    that route other tokens; tp ranks route the same ones, pipeline stages their own layers) by one all-reduce of
+    L·E numbers, so every rank moves every bias alike."""
+    layers = [layer for layer in moe_layers(model) if layer.bias_update]
+    if not layers:
+        return
+    loads = comm.all_reduce(np.concatenate([layer.tally["load"] for layer in layers]).astype(np.float64),
+                            label="moe_bias")
+    for layer, load in zip(layers, np.split(loads, len(layers))):
+        layer.update_bias(load)
+
+
 def moe_layers(model: Module) -> list[MoEMLP]:
     return [m for m in model.modules() if isinstance(m, MoEMLP)]
 
@@ -184,7 +198,7 @@ def expert_parallel(model: Module, comm: Communicator) -> Module:
     named = dict(model.named_parameters())
     for mlp in moe_layers(model):
         for linear in (mlp.c_fc, mlp.c_proj):
-            for attr in ("weight", "bias"):
+            for attr in ("weight", "bias") if linear.bias is not None else ("weight",):  # SwiGLU experts: no bias
                 name = next(n for n, p in named.items() if p is getattr(linear, attr))
                 param = Parameter(to_device(local[name], dtype=getattr(linear, attr).dtype))
                 param.placement = getattr(linear, attr).placement

@@ -37,7 +37,8 @@ from minipar.precision import recipe as fp8_recipe
 from minipar.parallel.compression import make_compressor
 from minipar.parallel.context_parallel import check_context_parallel, context_parallel, context_report, context_slice
 from minipar.parallel.data_parallel import DataParallel
-from minipar.parallel.expert_parallel import check_expert_parallel, expert_parallel, expert_report, moe_layers
+from minipar.parallel.expert_parallel import (check_expert_parallel, expert_parallel, expert_report, moe_layers,
+                                              update_router_bias)
 from minipar.parallel.local_sgd import LocalSGD
 from minipar.parallel.mesh import Mesh
 from minipar.parallel.pipeline import stage_blocks
@@ -164,6 +165,9 @@ class Layout:
                 raise ValueError("--mtp-depth with --n-expert: the MTP modules' MoE layers and their balancing loss "
                                  "are not built (DeepSeek-V3's MoE: issue #50)")
         check_expert_parallel(cfg, self.ep, self.dp * self.cp)
+        if cfg.n_expert and cfg.router == "sigmoid" and cfg.aux_loss_coef and self.cp > 1:
+            raise ValueError("--router sigmoid's sequence-wise balance loss with --cp: each sequence's expert counts "
+                             "span the cp ranks (not built; --aux-loss-coef 0 balances by the bias alone)")
         if cfg.n_expert:
             if self.ep > 1 and (self.local_sgd or self.compression != "none"):
                 raise ValueError("--ep reduces expert gradients over their own replicas: use it without --local-sgd "
@@ -265,6 +269,11 @@ class Layout:
         inner steps reduce nothing)."""
         return global_tokens // self.dp if self.local_sgd else global_tokens
 
+    def update_router_bias(self, model: Any, mesh: Mesh) -> None:
+        """After an optimizer step: the sigmoid routers' balancing bias, from the step's loads over the replicas."""
+        if model.config.n_expert and model.config.bias_update:
+            update_router_bias(model, mesh.grad_comm)
+
     def reset_reports(self, model: Any) -> None:
         """Zero the counters the step's reports read (ring attention's work, each MoE layer's routing tally)."""
         if self.cp > 1:
@@ -336,6 +345,8 @@ OPTIONS: tuple[tuple[str, dict[str, Any], dict[str, Any]], ...] = (
     ("MTP", {}, {"arch": "deepseek", "mtp_depth": 1}),
     ("MoE", {}, {"n_expert": 4}),
     ("MoE, ep", {"dp": 2, "ep": 2}, {"n_expert": 4}),
+    ("MoE dropless, sigmoid", {}, {"n_expert": 4, "capacity_factor": 0.0, "router": "sigmoid", "bias_update": 0.01,
+                                   "n_shared_expert": 1}),
     ("recompute selective", {"recompute": "selective"}, {}),
     ("recompute full", {"recompute": "full"}, {}),
     ("bf16-mixed", {"precision": "bf16-mixed"}, {}),

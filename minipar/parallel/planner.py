@@ -36,8 +36,9 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
               (3 + 1)·t·C/(cp·tp) values —, (cp−1)α + (cp−1)/cp·nβ each (grouped K/V heads: their own
               all-to-all, or one copy to each rank of the head its queries share).
     sequence  Megatron-SP turns each tp all-reduce into an all-gather + reduce-scatter: the same time
-    experts   with E experts (top-k, capacity factor c) the MLP computes the c·k·t rows of its capacity
-              slots, whole on every tp rank: 2·c·k·t·8C²·3 FLOPs instead of 2·t·8C²·3/tp. Expert
+    experts   with E experts (top-k, capacity factor c; dropless: c = 1) the MLP computes the c·k·t rows of its
+              capacity slots, whole on every tp rank: 2·c·k·t·W_e·3 FLOPs (W_e: one expert's matrices, SwiGLU
+              3·C·I or GELU 2·C·I; + the shared experts' on every token) instead of 2·t·8C²·3/tp. Expert
               parallelism over ep of the dp ranks: per layer and microbatch a counts all-to-all, then
               dispatch and combine forward and both again backward, each a pairwise all-to-all of
               k·t·C·itemsize bytes ((ep−1)α + (ep−1)/ep·nβ); expert parameters are 1/ep per rank and
@@ -59,8 +60,8 @@ DualPipeV (2pp + 1)/2),
 less half of the block Linears' inputs under tensorwise FP8 (kept as 1-byte codes: ``cfg.fp8_input_units()``,
 GPT (2 + 5/tp)·sbh), without the 5·a·s/h term under selective recomputation, or just the layer inputs (+ one layer) with full
 recomputation, plus the logits of the last stage.
-A mixture-of-experts MLP holds its 4h-wide intermediates for c·k·s·b rows, whole on every tp rank:
-16·c·k instead of 16/tp of the linear term.
+A mixture-of-experts MLP holds its intermediates for c·k·s·b rows, whole on every tp rank: 16·c·k·I/(4h)
+instead of 16/tp of the linear term (I an expert's width; dropless: c = 1).
 
 Deep dive, with measurements: docs/planner.md.
 """
@@ -195,14 +196,20 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     passes = 4.0 if recompute == "full" else 3.0  # forward + backward (+ the forward again)
 
     attention_flops = attention_core_flops(cfg, b, layout)
-    mlp_rows = expert_rows(cfg, t) if cfg.n_expert else t / tp  # a mixture-of-experts MLP is whole on every tp rank
     attention_weights, mlp_weights = cfg.layer_weights()
-    mlp_weights = 8 * C * C if cfg.n_expert else mlp_weights  # each expert: a 4C GELU MLP (models/moe.py)
+    layers_here = math.ceil(L / pp)  # the first stage's blocks: its dense ones first (first_dense_layers)
+    moe_share = cfg.moe_blocks(layers_here) / layers_here
+    if moe_share:  # a MoE MLP is whole on every tp rank: its capacity slots' rows of one expert's matrices, and
+        expert, shared = expert_matrix_weights(cfg)  # the shared experts on every token
+        mlp_flops = (1 - moe_share) * 2 * t / tp * mlp_weights + moe_share * 2 * (expert_rows(cfg, t) * expert
+                                                                                 + t * shared)
+    else:
+        mlp_flops = 2 * t / tp * mlp_weights
     flops = profile.gemm_flops(t)
-    linear_flops = (2 * t * attention_weights / tp + 2 * mlp_rows * mlp_weights) * passes
+    linear_flops = (2 * t * attention_weights / tp + mlp_flops) * passes
     attention_flops_all = attention_flops * passes + (attention_flops / 2 if recompute == "selective" else 0.0)
     if layout.precision == "fp8":  # the block Linears' GEMMs in FP8 (a MoE's experts stay bf16: precision.py)
-        fp8 = 2 * t * attention_weights / tp * passes + (0.0 if cfg.n_expert else 2 * mlp_rows * mlp_weights * passes)
+        fp8 = (2 * t * attention_weights / tp + (1 - moe_share) * 2 * t / tp * mlp_weights) * passes
         gemm_time = fp8 / profile.fp8_gemm_flops(t) + (linear_flops - fp8 + attention_flops_all) / flops
     else:
         gemm_time = (linear_flops + attention_flops_all) / flops
@@ -261,8 +268,15 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
 
 
 def expert_rows(cfg: Any, tokens: float) -> float:
-    """Rows a mixture-of-experts MLP computes for ``tokens`` tokens: its capacity slots, c·k·tokens."""
-    return cfg.capacity_factor * cfg.expert_top_k * tokens
+    """Rows a mixture-of-experts MLP computes for ``tokens`` tokens: its capacity slots, c·k·tokens (dropless,
+    c = 0: the k·tokens assignments, as balanced routing fills them)."""
+    return (cfg.capacity_factor or 1.0) * cfg.expert_top_k * tokens
+
+
+def expert_matrix_weights(cfg: Any) -> tuple[int, int]:
+    """(one routed expert's, the shared experts') weight-matrix parameters: SwiGLU 3·C·I, GELU 2·C·I."""
+    parts = 3 if cfg.mlp_parts == 2 else 2
+    return parts * cfg.n_embd * cfg.expert_width, parts * cfg.n_embd * cfg.expert_width * cfg.n_shared_expert
 
 
 def expert_time(cfg: Any, layout: Layout, token_bytes: float, link: Link) -> float:
@@ -319,8 +333,9 @@ def local_parameter_groups(cfg: Any, layout: Layout) -> list[tuple[float, int, i
     the experts (÷ep, whole on every tp rank) over dp·cp/ep, sharded within a group over its ranks with them."""
     C, tp, layers = cfg.n_embd, layout.tp, math.ceil(cfg.n_layer / layout.pp)
     total = stage_parameters(cfg, layout.pp)
-    experts = layers * cfg.n_expert * (8 * C ** 2 + 5 * C)
-    whole = cfg.tp_replicated_parameters(layers, final_norm=layout.pp == 1)
+    routed, rest = cfg.moe_parameters() if cfg.n_expert else (0, 0)
+    experts = cfg.moe_blocks(layers) * routed
+    whole = cfg.tp_replicated_parameters(layers, final_norm=layout.pp == 1) + cfg.moe_blocks(layers) * rest
     table = cfg.vocab_tables * cfg.vocab_size * C
     dense = (total - experts - whole - table) / tp + whole + cfg.vocab_tables * math.ceil(cfg.vocab_size / tp) * C
     replicas = layout.dp * layout.cp
@@ -381,8 +396,8 @@ def memory_per_rank(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4
         states += model_state_bytes(psi, shards, layout.zero, itemsize)
     whole, split = cfg.activation_units()
     linear = (whole + split) / tp if layout.sp else whole + split / tp
-    if cfg.n_expert:
-        linear += 16 * (cfg.capacity_factor * cfg.expert_top_k - 1 / tp)
+    if cfg.moe_blocks():  # its experts' activations, scaled from a 4h GELU MLP's to their width and rows
+        linear += 16 * ((cfg.capacity_factor or 1.0) * cfg.expert_top_k * cfg.expert_width / (4 * C) - 1 / tp)
     scores = 5 * H * T * T / (cp * s * C * tp) if layout.cp_kind == "ulysses" else 5 * H * s / (C * tp)
     if layout.precision == "fp8" and layout.fp8().one_scale:  # tensorwise keeps its Linears' inputs in 1 byte
         whole, split = cfg.fp8_input_units()
