@@ -139,7 +139,8 @@ def test_save_hf_round_trip_keeps_every_weight_under_deepseeks_names(tmp_path):
 
 
 @pytest.mark.parametrize("changes,message", [
-    (dict(first_k_dense_replace=1), "mixture-of-experts layers are not implemented yet"),
+    (dict(first_k_dense_replace=1, scoring_func="softmax"), "scoring_func='softmax' is unsupported"),
+    (dict(first_k_dense_replace=1, moe_layer_freq=2), "moe_layer_freq=2 is unsupported"),
     (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type='yarn' is unsupported"),
     (dict(hidden_act="gelu"), "hidden_act='gelu' is unsupported"),
     (dict(attention_bias=True), "attention_bias=True is unsupported"),
@@ -426,3 +427,102 @@ def test_ring_attention_sends_the_expanded_heads(tmp_path):
                          qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=6, block_size=16)
     assert planner.context_bytes(cfg, planner.Layout(cp=2), B * t * 8)["kv"] == 2 * B * H * W * t * 8
     assert (cfg.kv_lora_rank + cfg.qk_rope_head_dim) / (2 * H * W) == 14 / 48
+
+
+# ------------------------------------------------------------------------------- DeepSeek-V3's MoE layers
+
+MOE = dict(vocab_size=40, block_size=10, n_layer=3, n_head=2, n_embd=16, n_inner=24, q_lora_rank=8, kv_lora_rank=8,
+           qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4, n_expert=8, expert_top_k=2, moe_inner=6,
+           n_shared_expert=1, first_dense_layers=1, router="sigmoid", expert_groups=4, topk_groups=2,
+           routed_scaling=2.5, capacity_factor=0.0, aux_loss_coef=0.0)
+
+
+def _float64_router(monkeypatch):
+    """transformers' DeepseekV3TopkRouter casts the hidden states and its weight to float32: the reference runs the
+    same steps in the model's float64 (its bias stays the float32 buffer transformers keeps)."""
+    torch, _ = _transformers()
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    def route(self, hidden_states):
+        hidden_states = hidden_states.view(-1, self.hidden_dim)
+        logits = torch.nn.functional.linear(hidden_states, self.weight)
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias
+        groups = choice.view(-1, self.num_group, self.num_experts // self.num_group).topk(2, dim=-1)[0].sum(dim=-1)
+        mask = torch.zeros_like(groups).scatter_(1, torch.topk(groups, k=self.topk_group, dim=-1)[1], 1)
+        mask = mask.unsqueeze(-1).expand(-1, self.num_group, self.num_experts // self.num_group).reshape(
+            -1, self.num_experts)
+        chosen = torch.topk(choice.masked_fill(~mask.bool(), float("-inf")), k=self.top_k, dim=-1)[1]
+        weights = scores.gather(1, chosen)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) if self.norm_topk_prob else weights
+        return logits, weights * self.routed_scaling_factor, chosen
+
+    monkeypatch.setattr(ds.DeepseekV3TopkRouter, "forward", route)
+
+
+def test_moe_layers_equal_transformers(tmp_path, monkeypatch):
+    """DeepSeek-V3's MoE layers — a dense first layer, 8 routed SwiGLU experts in 4 groups (2 per token), a shared
+    expert, sigmoid scores with a random bias, routed scaling 2.5 — through save_hf, from_pretrained and back:
+    within 1e-4 of stock transformers (its float32 router); with those steps float64, every expert chosen as
+    transformers chooses it, logits, loss and every gradient within 1e-10 (router, bias-free
+    scores, experts, shared expert), the bias loaded as it was saved. Ties: minipar ranks equal scores by the lower
+    expert index; torch.topk's order among ties is unspecified, so the two agree wherever scores differ."""
+    torch, transformers = _transformers()
+    ours = DeepSeek(DeepSeekConfig(**MOE, dtype="float64"), seed=3)
+    rng = np.random.default_rng(4)
+    for layer in (ours.transformer.h[1], ours.transformer.h[2]):
+        layer.mlp.score_bias = (rng.standard_normal(8) * 0.3).astype(np.float32)
+    ours.save_hf(str(tmp_path))
+    stock = transformers.DeepseekV3ForCausalLM.from_pretrained(  # its float32 router, norms and rotary tables
+        str(tmp_path), dtype=torch.float64, attn_implementation="sdpa", experts_implementation="eager").eval()
+    probe = rng.integers(0, 40, (2, 10))
+    np.testing.assert_allclose(ours(probe)[0].data, stock(torch.tensor(probe)).logits.detach().numpy(), rtol=0,
+                               atol=1e-4)
+    _float64_deepseek(monkeypatch)
+    _float64_router(monkeypatch)
+    theirs = transformers.DeepseekV3ForCausalLM.from_pretrained(  # eager experts: grouped_mm has no float64
+        str(tmp_path), dtype=torch.float64, attn_implementation="sdpa", experts_implementation="eager").eval()
+    for i in (1, 2):  # transformers keeps the router's weight in float32 (_keep_in_fp32_modules_strict): the
+        gate = theirs.model.layers[i].mlp.gate  # reference takes minipar's float64 one back
+        gate.weight = torch.nn.Parameter(torch.tensor(ours.transformer.h[i].mlp.router.weight.data.T.copy()))
+    idx, targets = rng.integers(0, 40, (3, 10)), rng.integers(0, 40, (3, 10))
+    chosen = {}
+    for i in (1, 2):  # each MoE layer's choices, in both
+        theirs.model.layers[i].mlp.gate.register_forward_hook(
+            lambda module, inputs, out, i=i: chosen.__setitem__(("theirs", i), np.sort(out[2].numpy(), axis=1)))
+        route = ours.transformer.h[i].mlp.route
+        ours.transformer.h[i].mlp.route = lambda logits, i=i, route=route: (
+            lambda r: (chosen.__setitem__(("ours", i), np.sort(r[1], axis=1)), r)[1])(route(logits))
+    logits, loss = ours(idx, targets)
+    loss.backward()
+    out = theirs(torch.tensor(idx))
+    reference = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 40), torch.tensor(targets).reshape(-1))
+    reference.backward()
+    for i in (1, 2):
+        np.testing.assert_array_equal(chosen[("ours", i)], chosen[("theirs", i)])
+    np.testing.assert_allclose(logits.data, out.logits.detach().numpy(), rtol=0, atol=1e-10)
+    assert abs(loss.item() - reference.item()) <= 1e-10
+    grads = {n: p.grad.numpy() for n, p in theirs.named_parameters() if p.grad is not None}
+    for name, p in ours.named_parameters():
+        layer = name.split(".")[2] if name.startswith("transformer.h.") else None
+        m = f"model.layers.{layer}.mlp."
+        if ".mlp.router." in name:
+            expected = grads[m + "gate.weight"].T
+        elif ".mlp.c_fc." in name and int(layer) >= 1:
+            expected = grads[m + "experts.gate_up_proj"].transpose(0, 2, 1)
+        elif ".mlp.c_proj." in name and int(layer) >= 1:
+            expected = grads[m + "experts.down_proj"].transpose(0, 2, 1)
+        elif ".mlp.shared.c_fc." in name:
+            expected = np.concatenate([grads[m + f"shared_experts.{n}_proj.weight"].T for n in ("gate", "up")], 1)
+        elif ".mlp.shared.c_proj." in name:
+            expected = grads[m + "shared_experts.down_proj.weight"].T
+        else:
+            expected = _hf_grad(grads, name, MOE)
+        np.testing.assert_allclose(p.grad, expected, rtol=0, atol=1e-10, err_msg=name)
+    prompt = np.array([[3, 1, 4, 1, 5]])  # greedy decoding through the latent cache and the MoE layers
+    expected = theirs.generate(torch.tensor(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert ours.generate(prompt, max_new_tokens=4, top_k=1).tolist() == expected.tolist()
+    back = from_hf(str(tmp_path))
+    for i in (1, 2):
+        np.testing.assert_array_equal(back.transformer.h[i].mlp.score_bias, ours.transformer.h[i].mlp.score_bias)
+    assert back.config.n_expert == 8 and back.config.first_dense_layers == 1 and back.config.router == "sigmoid"

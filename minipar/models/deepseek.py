@@ -51,6 +51,7 @@ from minipar.backend import to_device, xp
 from minipar.data import save_tokenizer
 from minipar.models.gpt import read_hf_config
 from minipar.models.llama import Llama, LlamaBlock, LlamaConfig, LlamaTransformer, RotaryAttention
+from minipar.models.moe import stack_experts, unstack_experts
 from minipar.nn import Embedding, Linear, Module, ModuleList, RMSNorm
 from minipar.safetensors_io import (DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, stored_dtypes,
                                     write_hf_weights)
@@ -374,7 +375,8 @@ class DeepSeek(Llama):
     # ---- Hugging Face checkpoints ----
     @classmethod
     def from_hf(cls, directory: str, dtype: str | None = None) -> DeepSeek:
-        """Load a ``DeepseekV3ForCausalLM`` directory (dense layers), its MTP modules under DeepSeek's names."""
+        """Load a ``DeepseekV3ForCausalLM`` directory — its MoE layers (per-expert matrices, the router's bias) and
+        its MTP modules under DeepSeek's names."""
         cfg, interleaved = hf_deepseek_config(directory, dtype)
         hf = read_hf_weights(directory)
         state = {"transformer.wte.weight": hf.pop("model.embed_tokens.weight"),
@@ -385,7 +387,8 @@ class DeepSeek(Llama):
                 raise ValueError(f"{directory}: tie_word_embeddings is false but there is no lm_head.weight")
             state["lm_head.weight"] = head
         for i in range(cfg.n_layer):
-            state.update(_block_from_hf(hf, f"model.layers.{i}.", f"transformer.h.{i}.", cfg, interleaved))
+            state.update(_block_from_hf(hf, f"model.layers.{i}.", f"transformer.h.{i}.", cfg, interleaved,
+                                        moe=bool(cfg.n_expert) and i >= cfg.first_dense_layers))
         for k in range(cfg.mtp_depth):
             p, m = f"model.layers.{cfg.n_layer + k}.", f"mtp.{k}."
             for ours, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("norm", "shared_head.norm")):
@@ -408,15 +411,17 @@ class DeepSeek(Llama):
         (out, in); RoPE in the half-split layout, ``rope_interleave: false``), the MTP modules under DeepSeek's
         names (with copies of the embedding and head, as DeepSeek's checkpoints carry them), the tokenizer."""
         cfg = self.config
-        if cfg.n_expert:
-            raise ValueError("a mixture-of-experts DeepSeek is saved with --save (its MoE layers: issue #50)")
-        state = state if state is not None else self.state_dict()
+        if cfg.n_expert and cfg.router != "sigmoid":
+            raise ValueError(f"DeepseekV3ForCausalLM routes by sigmoid: a DeepSeek with --router {cfg.router} has no "
+                             "Hugging Face layout (save it with --save)")
+        state = {**(state if state is not None else self.state_dict()), **self.buffer_state()}
         hf = {"model.embed_tokens.weight": state["transformer.wte.weight"],
               "model.norm.weight": state["transformer.ln_f.weight"]}
         if not cfg.tie_word_embeddings:
             hf["lm_head.weight"] = state["lm_head.weight"]
         for i in range(cfg.n_layer):
-            hf.update(_block_to_hf(state, f"transformer.h.{i}.", f"model.layers.{i}.", cfg))
+            hf.update(_block_to_hf(state, f"transformer.h.{i}.", f"model.layers.{i}.", cfg,
+                                   moe=bool(cfg.n_expert) and i >= cfg.first_dense_layers))
         for k in range(cfg.mtp_depth):
             p, m = f"model.layers.{cfg.n_layer + k}.", f"mtp.{k}."
             for ours, theirs in (("enorm", "enorm"), ("hnorm", "hnorm"), ("norm", "shared_head.norm")):
@@ -430,12 +435,15 @@ class DeepSeek(Llama):
         end_of_text = save_tokenizer(directory, cfg.vocab_size, cfg.block_size, tokenizer)
         config = {
             "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_width, "moe_intermediate_size": cfg.mlp_width,
+            "hidden_size": cfg.n_embd, "intermediate_size": cfg.mlp_width,
             "num_hidden_layers": cfg.n_layer, "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_head,
             "q_lora_rank": cfg.q_lora_rank or None, "kv_lora_rank": cfg.kv_lora_rank,
             "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
-            "v_head_dim": cfg.v_head_dim, "first_k_dense_replace": cfg.n_layer, "n_routed_experts": 1,
-            "n_shared_experts": 0, "num_experts_per_tok": 1, "n_group": 1, "topk_group": 1,
+            "v_head_dim": cfg.v_head_dim, "first_k_dense_replace": cfg.first_dense_layers if cfg.n_expert else cfg.n_layer,
+            "n_routed_experts": cfg.n_expert or 1, "n_shared_experts": cfg.n_shared_expert if cfg.n_expert else 0,
+            "num_experts_per_tok": cfg.expert_top_k if cfg.n_expert else 1, "moe_intermediate_size": cfg.expert_width,
+            "n_group": cfg.expert_groups, "topk_group": cfg.topk_groups, "norm_topk_prob": cfg.norm_topk_prob,
+            "routed_scaling_factor": cfg.routed_scaling,
             "num_nextn_predict_layers": cfg.mtp_depth, "hidden_act": "silu",
             "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.layer_norm_epsilon,
             "rope_parameters": {"rope_theta": cfg.rope_theta, "rope_type": "default"}, "rope_theta": cfg.rope_theta,
@@ -455,8 +463,8 @@ def _deinterleave(R: int) -> np.ndarray:
     return np.concatenate([np.arange(0, R, 2), np.arange(1, R, 2)])
 
 
-def _block_from_hf(hf: dict[str, np.ndarray], p: str, h: str, cfg: DeepSeekConfig, interleaved: bool
-                   ) -> dict[str, np.ndarray]:
+def _block_from_hf(hf: dict[str, np.ndarray], p: str, h: str, cfg: DeepSeekConfig, interleaved: bool,
+                   moe: bool = False) -> dict[str, np.ndarray]:
     """A decoder layer's weights (transformers' names under ``p``) under minipar's names (under ``h``)."""
     H, N, R = cfg.n_head, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
     a = p + "self_attn."
@@ -472,29 +480,51 @@ def _block_from_hf(hf: dict[str, np.ndarray], p: str, h: str, cfg: DeepSeekConfi
            f"{h}attn.{query}.weight": q, h + "attn.kv_a_proj.weight": kv_a,
            h + "attn.kv_a_norm.weight": hf.pop(a + "kv_a_layernorm.weight"),
            h + "attn.kv_b_proj.weight": hf.pop(a + "kv_b_proj.weight").T,
-           h + "attn.c_proj.weight": hf.pop(a + "o_proj.weight").T,
-           h + "mlp.c_fc.weight": np.concatenate([hf.pop(f"{p}mlp.{n}_proj.weight").T for n in ("gate", "up")], 1),
-           h + "mlp.c_proj.weight": hf.pop(p + "mlp.down_proj.weight").T}
+           h + "attn.c_proj.weight": hf.pop(a + "o_proj.weight").T}
+    if not moe:
+        out[h + "mlp.c_fc.weight"] = np.concatenate([hf.pop(f"{p}mlp.{n}_proj.weight").T for n in ("gate", "up")], 1)
+        out[h + "mlp.c_proj.weight"] = hf.pop(p + "mlp.down_proj.weight").T
+    else:  # the router (weight, and the balancing bias it keeps in float32), the routed and the shared experts
+        m = p + "mlp."
+        out[h + "mlp.router.weight"] = hf.pop(m + "gate.weight").T
+        out[h + "mlp.score_bias"] = hf.pop(m + "gate.e_score_correction_bias").astype(np.float32)
+        experts = [[hf.pop(f"{m}experts.{j}.{n}_proj.weight") for j in range(cfg.n_expert)] for n in ("gate", "up", "down")]
+        out[h + "mlp.c_fc.weight"], out[h + "mlp.c_proj.weight"] = stack_experts(*experts)
+        if cfg.n_shared_expert:
+            shared = [hf.pop(f"{m}shared_experts.{n}_proj.weight") for n in ("gate", "up", "down")]
+            out[h + "mlp.shared.c_fc.weight"] = np.concatenate([shared[0].T, shared[1].T], axis=1)
+            out[h + "mlp.shared.c_proj.weight"] = shared[2].T
     if cfg.q_lora_rank:
         out[h + "attn.q_a_proj.weight"] = hf.pop(a + "q_a_proj.weight").T
         out[h + "attn.q_a_norm.weight"] = hf.pop(a + "q_a_layernorm.weight")
     return out
 
 
-def _block_to_hf(state: dict[str, np.ndarray], h: str, p: str, cfg: DeepSeekConfig) -> dict[str, np.ndarray]:
-    """The inverse of :func:`_block_from_hf` (half-split RoPE: no reordering)."""
-    a = p + "self_attn."
+def _block_to_hf(state: dict[str, np.ndarray], h: str, p: str, cfg: DeepSeekConfig, moe: bool = False
+                 ) -> dict[str, np.ndarray]:
+    """The inverse of :func:`_block_from_hf` (half-split RoPE: no reordering; experts one by one, as DeepSeek's)."""
+    a, m = p + "self_attn.", p + "mlp."
     query = "q_b_proj" if cfg.q_lora_rank else "q_proj"
-    gate, up = np.split(state[h + "mlp.c_fc.weight"], 2, axis=1)
-    out = {p + "input_layernorm.weight": state[h + "ln_1.weight"],
+    if moe:
+        out = {m + "gate.weight": state[h + "mlp.router.weight"].T, m + "gate.e_score_correction_bias":
+               state[h + "mlp.score_bias"].astype(np.float32)}
+        for j, weights in enumerate(unstack_experts(state[h + "mlp.c_fc.weight"], state[h + "mlp.c_proj.weight"])):
+            out.update({f"{m}experts.{j}.{n}_proj.weight": w for n, w in zip(("gate", "up", "down"), weights)})
+        if cfg.n_shared_expert:
+            gate, up = np.split(state[h + "mlp.shared.c_fc.weight"], 2, axis=1)
+            out.update({m + "shared_experts.gate_proj.weight": gate.T, m + "shared_experts.up_proj.weight": up.T,
+                        m + "shared_experts.down_proj.weight": state[h + "mlp.shared.c_proj.weight"].T})
+    else:
+        gate, up = np.split(state[h + "mlp.c_fc.weight"], 2, axis=1)
+        out = {m + "gate_proj.weight": gate.T, m + "up_proj.weight": up.T,
+               m + "down_proj.weight": state[h + "mlp.c_proj.weight"].T}
+    out.update({p + "input_layernorm.weight": state[h + "ln_1.weight"],
            p + "post_attention_layernorm.weight": state[h + "ln_2.weight"],
            f"{a}{query}.weight": state[f"{h}attn.{query}.weight"].T,
            a + "kv_a_proj_with_mqa.weight": state[h + "attn.kv_a_proj.weight"].T,
            a + "kv_a_layernorm.weight": state[h + "attn.kv_a_norm.weight"],
            a + "kv_b_proj.weight": state[h + "attn.kv_b_proj.weight"].T,
-           a + "o_proj.weight": state[h + "attn.c_proj.weight"].T,
-           p + "mlp.gate_proj.weight": gate.T, p + "mlp.up_proj.weight": up.T,
-           p + "mlp.down_proj.weight": state[h + "mlp.c_proj.weight"].T}
+           a + "o_proj.weight": state[h + "attn.c_proj.weight"].T})
     if cfg.q_lora_rank:
         out[a + "q_a_proj.weight"] = state[h + "attn.q_a_proj.weight"].T
         out[a + "q_a_layernorm.weight"] = state[h + "attn.q_a_norm.weight"]
@@ -545,10 +575,12 @@ def hf_deepseek_config(directory: str, dtype: str | None = None) -> tuple[DeepSe
     if missing:
         raise ValueError(f"{path}: missing required field {missing[0]!r}")
     L, H = hf["num_hidden_layers"], hf["num_attention_heads"]
-    if hf.get("first_k_dense_replace", 3) < L:
-        raise ValueError(f"{path}: first_k_dense_replace={hf.get('first_k_dense_replace', 3)} < num_hidden_layers={L}: "
-                         "its mixture-of-experts layers are not implemented yet (minipar loads dense DeepSeek-V3 "
-                         "layers; issue #50)")
+    dense = hf.get("first_k_dense_replace", 3)
+    for field, accepted, why in (("moe_layer_freq", 1, "every layer after the dense ones is a MoE layer"),
+                                 ("scoring_func", "sigmoid", "DeepSeek-V3's router"),
+                                 ("topk_method", "noaux_tc", "group-limited top-k over the biased scores")):
+        if dense < L and hf.get(field, accepted) != accepted:
+            raise ValueError(f"{path}: {field}={hf[field]!r} is unsupported ({why})")
     if hf.get("num_key_value_heads", H) not in (None, H):
         raise ValueError(f"{path}: num_key_value_heads={hf['num_key_value_heads']} != num_attention_heads={H} is "
                          "unsupported (multi-head latent attention: every head its own key and value)")
@@ -568,7 +600,24 @@ def hf_deepseek_config(directory: str, dtype: str | None = None) -> tuple[DeepSe
                          tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                          q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
                          qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
-                         v_head_dim=hf["v_head_dim"], mtp_depth=mtp,
+                         v_head_dim=hf["v_head_dim"], mtp_depth=mtp, **_hf_moe_fields(hf, dense < L),
                          mtp_weight=hf.get("minipar", {}).get("mtp_weight", 0.3),
                          dtype=dtype or ("float64" if stored == "float64" else "float32"))
     return cfg, bool(hf.get("rope_interleave", True))
+
+
+def _hf_moe_fields(hf: dict[str, Any], moe: bool) -> dict[str, Any]:
+    """The MoE fields of a DeepseekV3Config as DeepSeekConfig's: dropless sigmoid routing with the bias (updated only
+    when the stored minipar config says so), the sequence-wise loss's α (DeepSeek's aux_loss_alpha; none in
+    transformers' config: 0, as transformers computes none)."""
+    if not moe:
+        return {}
+    own = hf.get("minipar", {})
+    return dict(n_expert=hf["n_routed_experts"], expert_top_k=hf.get("num_experts_per_tok", 8),
+                moe_inner=hf["moe_intermediate_size"], n_shared_expert=hf.get("n_shared_experts", 0) or 0,
+                first_dense_layers=hf.get("first_k_dense_replace", 3), router="sigmoid",
+                norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+                routed_scaling=float(hf.get("routed_scaling_factor", 1.0)), expert_groups=hf.get("n_group") or 1,
+                topk_groups=hf.get("topk_group") or 1, capacity_factor=0.0,
+                aux_loss_coef=float(own.get("aux_loss_coef", hf.get("aux_loss_alpha", 0.0))),
+                bias_update=float(own.get("bias_update", 0.0)))

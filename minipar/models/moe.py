@@ -114,6 +114,17 @@ def pack_slots(chosen: np.ndarray, kept: np.ndarray, n_expert: int) -> tuple[np.
 ROUTERS = ("softmax", "softmax-topk", "sigmoid")  # the --router choices
 
 
+def stack_experts(gate: list[np.ndarray], up: list[np.ndarray], down: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Hugging Face's per-expert SwiGLU matrices — gate and up (I, C), down (C, I), PyTorch's (out, in) — as the
+    MoE layer's (E, C, 2I) gate | up and (E, I, C)."""
+    return np.stack([np.concatenate([g.T, u.T], axis=1) for g, u in zip(gate, up)]), np.stack([d.T for d in down])
+
+
+def unstack_experts(c_fc: np.ndarray, c_proj: np.ndarray) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The inverse of :func:`stack_experts`: (gate, up, down) of each expert, (out, in)."""
+    return [(g.T, u.T, d.T) for (g, u), d in zip((np.split(w, 2, axis=1) for w in c_fc), c_proj)]
+
+
 class MoEMLP(Module):
     """E expert MLPs behind a router (module docstring); ``aux_loss`` and ``stats`` after each forward.
     ``score_bias`` (sigmoid routers) is model state no gradient touches (a buffer, nn.Module.buffers):
