@@ -24,7 +24,7 @@ from minipar.backend import KERNEL_MODES, memory_available
 from minipar.checkpoint import Checkpoint
 from minipar.comm import Communicator
 from minipar.data import Batches, load_tokens, split_tokens, tokenizer_for
-from minipar.models import config_from_hf
+from minipar.models import config_from_hf, exports_experts
 from minipar.models.gpt import RECOMPUTE, GPTConfig
 from minipar.models.deepseek import DeepSeekConfig
 from minipar.models.llama import LlamaConfig
@@ -371,8 +371,10 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
     if args.init_from and args.n_expert and resumed is None:
         raise ValueError("--init-from loads a dense Hugging Face model: it cannot be combined with --n-expert")
     cfg = model_config(args, resumed)
-    if cfg.n_expert and args.out:
-        raise ValueError("--out writes Hugging Face GPT-2, which has no mixture-of-experts layout: use --save")
+    if cfg.n_expert and args.out and not exports_experts(cfg):
+        raise ValueError("--out writes a Hugging Face checkpoint, where this mixture of experts has no layout (GPT-2 has "
+                         "none; a Llama's routes as Mixtral: --router softmax-topk, --capacity-factor 0, k >= 2, no "
+                         "shared experts or dense first layers; a DeepSeek's as V3: --router sigmoid): use --save")
     layout.validate(cfg, args.batch_size, world_size)
     check_memory(cfg, args, layout)
     return cfg, layout

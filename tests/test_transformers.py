@@ -244,3 +244,84 @@ def test_weights_shard_where_save_pretrained_does():
 
     default = inspect.signature(transformers.PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
     assert default.endswith("GB") and int(default[:-2]) * 10**9 == DEFAULT_MAX_SHARD_BYTES
+
+
+# ------------------------------------------------------------------------------------------------ Mixtral
+
+MIXTRAL = dict(vocab_size=40, block_size=12, n_layer=2, n_head=4, n_kv_head=2, n_embd=16, n_inner=12, n_expert=4,
+               expert_top_k=2, router="softmax-topk", capacity_factor=0.0, aux_loss_coef=0.0)
+
+
+def _float64_mixtral(monkeypatch):
+    """Mixtral's RMSNorm, rotary tables and router softmax run in float32 in transformers: float64 here."""
+    from transformers.models.mixtral import modeling_mixtral as mixtral
+
+    def rms_norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def rotary(self, x, position_ids):
+        D = 2 * self.inv_freq.numel()
+        inv_freq = 1.0 / self.config.rope_parameters["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+        freqs = position_ids[..., None].double() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    def route(self, hidden_states):
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        top, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        return logits, top / top.sum(dim=-1, keepdim=True), chosen
+
+    monkeypatch.setattr(mixtral.MixtralRMSNorm, "forward", rms_norm)
+    monkeypatch.setattr(mixtral.MixtralRotaryEmbedding, "forward", rotary)
+    monkeypatch.setattr(mixtral.MixtralTopKRouter, "forward", route)
+
+
+def test_mixtral_logits_loss_and_every_gradient(tmp_path, monkeypatch):
+    """A MoE Llama routed as Mixtral (softmax over the 2 chosen, dropless) saves as MixtralForCausalLM (per-expert
+    w1 | w3 | w2, the router as block_sparse_moe.gate): within 1e-4 of stock transformers, and within 1e-10 —
+    logits, loss, every gradient — once its float32 norms, rotary tables and router run in float64; loaded back
+    bit for bit; greedy decoding equal. (minipar's balancing loss is Switch's per layer, transformers' Mixtral one
+    over all layers' tokens at once: the comparison runs with aux_loss_coef 0.)"""
+    from minipar.models import from_hf
+    from minipar.models.llama import Llama, LlamaConfig
+
+    ours = Llama(LlamaConfig(**MIXTRAL, dtype="float64"), seed=2)
+    ours.save_hf(str(tmp_path))
+    load = lambda: transformers.MixtralForCausalLM.from_pretrained(  # noqa: E731  (eager: grouped_mm has no float64)
+        str(tmp_path), dtype=torch.float64, attn_implementation="sdpa", experts_implementation="eager").eval()
+    rng = np.random.default_rng(3)
+    idx, targets = rng.integers(0, 40, (3, 12)), rng.integers(0, 40, (3, 12))
+    np.testing.assert_allclose(ours(idx)[0].data, load()(torch.tensor(idx)).logits.detach().numpy(), rtol=0, atol=1e-4)
+    _float64_mixtral(monkeypatch)
+    theirs = load()
+    logits, loss = ours(idx, targets)
+    loss.backward()
+    out = theirs(torch.tensor(idx))
+    reference = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 40), torch.tensor(targets).reshape(-1))
+    reference.backward()
+    np.testing.assert_allclose(logits.data, out.logits.detach().numpy(), rtol=0, atol=1e-10)
+    assert abs(loss.item() - reference.item()) <= 1e-10
+    grads = {n: p.grad.numpy() for n, p in theirs.named_parameters() if p.grad is not None}
+    for name, p in ours.named_parameters():
+        if ".mlp." in name:
+            m = f"model.layers.{name.split('.')[2]}.mlp."
+            expected = {"router": lambda: grads[m + "gate.weight"].T,
+                        "c_fc": lambda: grads[m + "experts.gate_up_proj"].transpose(0, 2, 1),
+                        "c_proj": lambda: grads[m + "experts.down_proj"].transpose(0, 2, 1)}[name.split(".")[4]]()
+        else:
+            expected = _hf_grad(grads, name)
+        np.testing.assert_allclose(p.grad, expected, rtol=0, atol=1e-10, err_msg=name)
+    back = from_hf(str(tmp_path))
+    assert back.config.n_expert == 4 and back.config.router == "softmax-topk" and back.config.capacity_factor == 0
+    for name, value in ours.state_dict().items():
+        np.testing.assert_array_equal(back.state_dict()[name], value, err_msg=name)
+    prompt = np.array([[3, 1, 4, 1, 5]])
+    expected = theirs.generate(torch.tensor(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert ours.generate(prompt, max_new_tokens=4, top_k=1).tolist() == expected.tolist()
+
+
+def test_a_moe_llama_that_routes_otherwise_has_no_mixtral_layout(tmp_path):
+    from minipar.models.llama import Llama, LlamaConfig
+
+    with pytest.raises(ValueError, match="saves as MixtralForCausalLM when it routes as Mixtral does"):
+        Llama(LlamaConfig(**{**MIXTRAL, "capacity_factor": 1.25})).save_hf(str(tmp_path))

@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from minipar.models.gpt import GPT, GPTConfig, hf_config, read_hf_config
-from minipar.models.deepseek import DeepSeek, DeepSeekConfig, hf_deepseek_config
-from minipar.models.llama import Llama, LlamaConfig, hf_llama_config
+from minipar.models.deepseek import DeepSeek, DeepSeekConfig, hf_deepseek_config, routes_as_v3
+from minipar.models.llama import Llama, LlamaConfig, hf_llama_config, mixtral_compatible
 
 ARCHITECTURES = {"gpt2": (GPTConfig, GPT), "llama": (LlamaConfig, Llama), "deepseek": (DeepSeekConfig, DeepSeek)}
-HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "deepseek_v3": "deepseek"}  # config.json's model_type -> arch
+HF_MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "mixtral": "llama", "deepseek_v3": "deepseek"}  # config.json's model_type -> arch
 
 
 def config_from_dict(fields: dict[str, Any]) -> GPTConfig:
@@ -42,3 +42,9 @@ def config_from_hf(directory: str, dtype: str | None = None) -> GPTConfig:
     if arch == "deepseek":
         return hf_deepseek_config(directory, dtype)[0]
     return (hf_llama_config if arch == "llama" else hf_config)(directory, dtype)
+
+
+def exports_experts(cfg: GPTConfig) -> bool:
+    """Whether ``cfg``'s mixture of experts has a Hugging Face layout: a Llama routed as Mixtral, a DeepSeek as V3."""
+    return {"llama": lambda: mixtral_compatible(cfg), "deepseek": lambda: routes_as_v3(cfg)}.get(
+        cfg.arch, lambda: False)()

@@ -411,7 +411,7 @@ class DeepSeek(Llama):
         (out, in); RoPE in the half-split layout, ``rope_interleave: false``), the MTP modules under DeepSeek's
         names (with copies of the embedding and head, as DeepSeek's checkpoints carry them), the tokenizer."""
         cfg = self.config
-        if cfg.n_expert and cfg.router != "sigmoid":
+        if cfg.n_expert and not routes_as_v3(cfg):
             raise ValueError(f"DeepseekV3ForCausalLM routes by sigmoid: a DeepSeek with --router {cfg.router} has no "
                              "Hugging Face layout (save it with --save)")
         state = {**(state if state is not None else self.state_dict()), **self.buffer_state()}
@@ -454,6 +454,11 @@ class DeepSeek(Llama):
         }
         write_hf_weights(directory, {n: np.ascontiguousarray(w) for n, w in hf.items()}, max_shard_bytes)
         atomic_write(os.path.join(directory, "config.json"), [json.dumps(config, indent=2).encode()])
+
+
+def routes_as_v3(cfg: DeepSeekConfig) -> bool:
+    """Whether a MoE DeepSeek computes what DeepseekV3ForCausalLM computes: sigmoid routing (models/moe.py)."""
+    return cfg.router == "sigmoid"
 
 
 def _deinterleave(R: int) -> np.ndarray:

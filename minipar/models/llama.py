@@ -36,6 +36,7 @@ from minipar.autograd import Tensor
 from minipar.backend import xp
 from minipar.data import save_tokenizer
 from minipar.models.gpt import GPT, Block, CausalSelfAttention, GPTConfig, read_hf_config
+from minipar.models.moe import stack_experts, unstack_experts
 from minipar.nn import Embedding, Linear, Module, ModuleList, RMSNorm
 from minipar.safetensors_io import (DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, stored_dtypes,
                                     write_hf_weights)
@@ -188,8 +189,15 @@ class Llama(GPT):
             state[h + "ln_2.weight"] = hf.pop(p + "post_attention_layernorm.weight")
             state[h + "attn.c_attn.weight"] = np.concatenate([hf.pop(f"{p}self_attn.{n}_proj.weight").T for n in "qkv"], 1)
             state[h + "attn.c_proj.weight"] = hf.pop(p + "self_attn.o_proj.weight").T
-            state[h + "mlp.c_fc.weight"] = np.concatenate([hf.pop(f"{p}mlp.{n}_proj.weight").T for n in ("gate", "up")], 1)
-            state[h + "mlp.c_proj.weight"] = hf.pop(p + "mlp.down_proj.weight").T
+            if cfg.n_expert:  # Mixtral: the router, and each expert's w1 (gate), w3 (up), w2 (down)
+                m = p + "block_sparse_moe."
+                state[h + "mlp.router.weight"] = hf.pop(m + "gate.weight").T
+                experts = [[hf.pop(f"{m}experts.{j}.{w}.weight") for j in range(cfg.n_expert)] for w in ("w1", "w3", "w2")]
+                state[h + "mlp.c_fc.weight"], state[h + "mlp.c_proj.weight"] = stack_experts(*experts)
+            else:
+                state[h + "mlp.c_fc.weight"] = np.concatenate([hf.pop(f"{p}mlp.{n}_proj.weight").T
+                                                              for n in ("gate", "up")], 1)
+                state[h + "mlp.c_proj.weight"] = hf.pop(p + "mlp.down_proj.weight").T
         head = hf.pop("lm_head.weight", None)
         if not cfg.tie_word_embeddings:
             if head is None:
@@ -207,8 +215,10 @@ class Llama(GPT):
         """Write ``config.json`` + safetensors that ``LlamaForCausalLM.from_pretrained`` loads (q/k/v, gate/up
         split out of the packed matrices, every matrix as (out, in)) and the tokenizer files."""
         cfg = self.config
-        if cfg.n_expert:
-            raise ValueError("a mixture-of-experts Llama has no LlamaForCausalLM layout: save it with --save instead")
+        if cfg.n_expert and not mixtral_compatible(cfg):
+            raise ValueError("a mixture-of-experts Llama saves as MixtralForCausalLM when it routes as Mixtral does — "
+                             "dropless (--capacity-factor 0), gates softmax over the k >= 2 chosen, no shared experts "
+                             "or dense first layers, experts as wide as --n-inner: save it with --save instead")
         state = state if state is not None else self.state_dict()
         H, K, D, C = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.n_embd
         hf = {"model.embed_tokens.weight": state["transformer.wte.weight"],
@@ -221,6 +231,12 @@ class Llama(GPT):
             for n, w in zip("qkv", (q, k, v)):
                 hf[f"{p}self_attn.{n}_proj.weight"] = w.T
             hf[p + "self_attn.o_proj.weight"] = state[h + "attn.c_proj.weight"].T
+            if cfg.n_expert:
+                m = p + "block_sparse_moe."
+                hf[m + "gate.weight"] = state[h + "mlp.router.weight"].T
+                for j, weights in enumerate(unstack_experts(state[h + "mlp.c_fc.weight"], state[h + "mlp.c_proj.weight"])):
+                    hf.update({f"{m}experts.{j}.{w}.weight": a for w, a in zip(("w1", "w3", "w2"), weights)})
+                continue
             gate, up = np.split(state[h + "mlp.c_fc.weight"], 2, axis=1)
             hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate.T, up.T
             hf[p + "mlp.down_proj.weight"] = state[h + "mlp.c_proj.weight"].T
@@ -228,6 +244,9 @@ class Llama(GPT):
             hf["lm_head.weight"] = state["lm_head.weight"]
         os.makedirs(directory, exist_ok=True)
         end_of_text = save_tokenizer(directory, cfg.vocab_size, cfg.block_size, tokenizer)
+        moe = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": cfg.n_expert,
+               "num_experts_per_tok": cfg.expert_top_k, "router_jitter_noise": 0.0, "sliding_window": None,
+               "output_router_logits": False, "router_aux_loss_coef": cfg.aux_loss_coef} if cfg.n_expert else {}
         config = {
             "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
             "hidden_size": C, "intermediate_size": cfg.mlp_width, "num_hidden_layers": cfg.n_layer,
@@ -237,8 +256,11 @@ class Llama(GPT):
             "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, "pretraining_tp": 1,
             "initializer_range": 0.02, "tie_word_embeddings": cfg.tie_word_embeddings,
             "bos_token_id": end_of_text, "eos_token_id": end_of_text,
-            "dtype": cfg.dtype, "torch_dtype": cfg.dtype, "minipar": asdict(cfg),
+            "dtype": cfg.dtype, "torch_dtype": cfg.dtype, "minipar": asdict(cfg), **moe,
         }
+        if moe:  # Mixtral's attention has no bias fields and no tp setting
+            for key in ("attention_bias", "mlp_bias", "pretraining_tp"):
+                config.pop(key)
         write_hf_weights(directory, {n: np.ascontiguousarray(w) for n, w in hf.items()}, max_shard_bytes)
         atomic_write(os.path.join(directory, "config.json"), [json.dumps(config, indent=2).encode()])
 
@@ -249,8 +271,16 @@ class Llama(GPT):
 _IMPLEMENTED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_parameters",
                 "rope_scaling", "tie_word_embeddings", "head_dim", "dtype", "torch_dtype"}
+def mixtral_compatible(cfg: LlamaConfig) -> bool:
+    """Whether a MoE Llama computes what MixtralForCausalLM computes (models/moe.py's softmax-topk, dropless)."""
+    return (cfg.capacity_factor == 0 and cfg.expert_top_k >= 2 and cfg.n_shared_expert == 0
+            and cfg.first_dense_layers == 0 and cfg.expert_width == cfg.mlp_width
+            and (cfg.router == "softmax" or (cfg.router == "softmax-topk" and cfg.norm_topk_prob)))
+
+
 _REQUIRED_VALUE = {  # field: (accepted values, what minipar implements instead)
-    "model_type": (("llama",), "this is minipar's Llama loader"),
+    "model_type": (("llama", "mixtral"), "this is minipar's Llama (and Mixtral) loader"),
+    "router_jitter_noise": ((0, 0.0), "minipar's routers add no noise"),
     "hidden_act": (("silu",), "minipar's SwiGLU gates with silu"),
     "attention_bias": ((False,), "minipar's Llama linears have no bias"),
     "mlp_bias": ((False,), "minipar's Llama linears have no bias"),
@@ -258,6 +288,8 @@ _REQUIRED_VALUE = {  # field: (accepted values, what minipar implements instead)
 }
 _NO_EFFECT = {"attention_dropout", "initializer_range", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
               "architectures", "transformers_version", "minipar"}
+_MIXTRAL = {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits",
+            "sliding_window"}  # Mixtral's fields (model_type "mixtral")
 
 
 def hf_llama_config(directory: str, dtype: str | None = None) -> LlamaConfig:
@@ -269,7 +301,9 @@ def hf_llama_config(directory: str, dtype: str | None = None) -> LlamaConfig:
         value = hf.get(field, accepted[0])
         if value not in accepted:
             raise ValueError(f"{path}: {field}={value!r} is unsupported ({why})")
-    unknown = sorted(set(hf) - _IMPLEMENTED - set(_REQUIRED_VALUE) - _NO_EFFECT - _HF_GENERIC)
+    mixtral = hf.get("model_type") == "mixtral"
+    unknown = sorted(set(hf) - _IMPLEMENTED - set(_REQUIRED_VALUE) - _NO_EFFECT - _HF_GENERIC
+                     - (_MIXTRAL if mixtral else set()))
     if unknown:
         raise ValueError(f"{path}: config field {unknown[0]!r} is not a Llama field minipar implements; refusing to "
                          "guess what it changes")
@@ -284,13 +318,21 @@ def hf_llama_config(directory: str, dtype: str | None = None) -> LlamaConfig:
     if missing:
         raise ValueError(f"{path}: missing required field {missing[0]!r}")
     C, H = hf["hidden_size"], hf["num_attention_heads"]
-    if hf.get("head_dim", C // H) != C // H:
+    if (hf.get("head_dim") or C // H) != C // H:
         raise ValueError(f"{path}: head_dim={hf['head_dim']} is unsupported (minipar's heads are hidden_size / "
                          f"num_attention_heads = {C // H} wide)")
     stored = hf.get("minipar", {}).get("dtype") or hf.get("dtype") or hf.get("torch_dtype")
     if stored is None and stored_dtypes(directory) == {"F64"}:
         stored = "float64"
-    return LlamaConfig(vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"],
+    moe = {}
+    if mixtral:  # dropless softmax-topk routing; its balance loss counted only with output_router_logits, as there
+        if hf.get("sliding_window") not in (None, 0) and hf["sliding_window"] < hf["max_position_embeddings"]:
+            raise ValueError(f"{path}: sliding_window={hf['sliding_window']} is unsupported (minipar's attention "
+                             "sees the whole context)")
+        moe = dict(n_expert=hf.get("num_local_experts", 8), expert_top_k=hf.get("num_experts_per_tok", 2),
+                   router="softmax-topk", capacity_factor=0.0,
+                   aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0)
+    return LlamaConfig(**moe, vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"],
                        n_layer=hf["num_hidden_layers"], n_head=H, n_embd=C,
                        n_kv_head=hf.get("num_key_value_heads") or H, n_inner=hf["intermediate_size"],
                        layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
