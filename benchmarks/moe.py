@@ -5,6 +5,7 @@ data and expert parallelism.
     python benchmarks/moe.py                       # 4 ranks: dense dp4; E = 4 and 8 with ep = 1, 2, 4
     python benchmarks/moe.py --ranks 2 --steps 8
     python benchmarks/moe.py --gates               # the gate gather's backward: add.at against grouped rows
+    python benchmarks/moe.py --balance --steps 300  # DeepSeek-V3's balancing: the loss, the bias, both, neither
 
 Each row is one ``python -m minipar train --json`` run under ``mpiexec -n RANKS`` (GPT L=2 H=4 C=128 T=64,
 batch 16, float32, capacity factor 1.25); figures are medians over the steps after the first. "ep MB" counts
@@ -38,6 +39,30 @@ def run(ranks: int, n_expert: int, ep: int, steps: int) -> list[dict]:
     return train_cli(args, ranks, timeout=900)[0][1:]
 
 
+BALANCE = ["--arch", "llama", "--n-expert", "16", "--expert-top-k", "4", "--moe-inner", "128", "--n-shared-expert",
+           "1", "--router", "sigmoid", "--capacity-factor", "0", "--json", "--eval-interval", "100",
+           "--eval-batches", "8"]  # the default model (L=4 C=128 T=128), 16 fine-grained SwiGLU experts, top-4 + 1 shared
+BALANCING = {"neither": ["--aux-loss-coef", "0"], "loss only (α = 0.01)": ["--aux-loss-coef", "0.01"],
+             "bias only (γ = 0.001)": ["--aux-loss-coef", "0", "--bias-update", "0.001"],
+             "both": ["--aux-loss-coef", "0.01", "--bias-update", "0.001"]}
+
+
+def balance(steps: int) -> None:
+    """One process, the default corpus: the final losses and the experts' max/mean load (1 = balanced: the mean
+    over the MoE layers of the busiest expert's share over the average's, over the last 10% of the steps)."""
+    print(f"{'balancing':<24}{'max/mean load':>14}{'train loss':>12}{'val loss':>10}{'bias range':>18}")
+    for name, flags in BALANCING.items():
+        records = train_cli([*BALANCE, *flags, "--steps", str(steps)], 1, timeout=3600)[0]
+        train = [r for r in records if "loss" in r]
+        tail = train[-max(1, steps // 10):]
+        load = statistics.mean(statistics.mean(r["experts"]["load_max_over_mean"]) for r in tail)
+        val = [r["val_loss"] for r in records if "val_loss" in r][-1]
+        bias = train[-1]["experts"].get("bias_range")
+        span = f"[{bias[0]:+.3f}, {bias[1]:+.3f}]" if bias else "-"
+        print(f"{name:<24}{load:>14.2f}{statistics.mean(r['loss'] for r in tail):>12.4f}{val:>10.4f}{span:>18}",
+              flush=True)
+
+
 def gate_gather(tokens: int, n_expert: int, k: int, repeat: int = 50) -> tuple[float, float]:
     """Best-of-``repeat`` ms of the backward of the MoE gates probs[rows, chosen] (N tokens, E experts, top-k): numpy's
     add.at with the tuple index (what GetItem's backward did before) and GetItem's backward now (a flat index)."""
@@ -67,7 +92,11 @@ def main() -> None:
     ap.add_argument("--experts", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--gates", action="store_true", help="time the gate gather's backward only")
+    ap.add_argument("--balance", action="store_true", help="DeepSeek-V3's load balancing, one process (--steps)")
     args = ap.parse_args()
+    if args.balance:
+        balance(args.steps)
+        return
     if args.gates:
         print(f"{'tokens':>8}{'E':>5}{'k':>3}{'add.at ms':>11}{'GetItem ms':>12}")
         for tokens, n_expert, k in ((1024, 8, 2), (16384, 16, 4), (65536, 64, 8)):

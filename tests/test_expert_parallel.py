@@ -331,5 +331,16 @@ def test_todays_moe_equals_one_process(tmp_path, name):
     assert_same_training((parallel, saved[0]), (single, saved[1]))
     biases = [n for n in saved[1] if n.endswith("score_bias")]
     assert bool(biases) == ("deepseek" in name)
-    for n in biases:  # moved by γ each step, the same on every rank
-        assert np.abs(saved[1][n]).max() > 0
+    for n in biases:  # moved by γ = 0.01 each of the 3 steps, the same on every rank
+        assert 0 < np.abs(saved[1][n]).max() <= 3 * 0.01 + 1e-7
+    if "--ep" in layout:  # dropless all-to-all-v: the rows each rank's tokens sent and received, C = 16 float64
+        ep, moe_layers, microbatches = 2, 2, 1  # and per MoE layer and microbatch the counts of the other rank's E/ep
+        for record in parallel:
+            sent, rows = record["comm_bytes_by_op"], record["experts"]["rows_out"] + record["experts"]["rows_in"]
+            assert sent["ep_forward"] == sent["ep_backward"] == rows * 16 * 8
+            assert sent["ep_counts"] == moe_layers * microbatches * (ep - 1) * (8 // ep) * 8
+    for mine, reference in zip(parallel, single):  # the balance report: the same loads as one process counts
+        report, expected = mine["experts"], reference["experts"]
+        assert len(report["load_max_over_mean"]) == 2 and report["dropped_fraction"] == 0  # 2 MoE layers, dropless
+        np.testing.assert_allclose(report["load_max_over_mean"], expected["load_max_over_mean"], rtol=1e-12)
+        assert report.get("bias_range") == expected.get("bias_range") and ("bias_range" in report) == bool(biases)

@@ -40,13 +40,14 @@ Deep dive, with measurements: docs/experts.md.
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
 
 from minipar import ops
 from minipar.autograd import Context, Function, Tensor
-from minipar.backend import to_device, xp
+from minipar.backend import to_device, to_host, xp
 from minipar.comm import Communicator
 from minipar.models.moe import MoEMLP
 from minipar.nn import Module, Parameter
@@ -162,8 +163,10 @@ def moe_layers(model: Module) -> list[MoEMLP]:
 
 def expert_report(model: Module, comm: Communicator, stages: Communicator | None = None) -> dict[str, Any]:
     """This step's routing over the data-parallel replicas ``comm`` (one all-reduce of 2 + L·E numbers) and the
-    pipeline ``stages`` (each holding its own layers: one all-reduce of 4 numbers): the share of assignments
-    dropped for capacity, and the fewest / most tokens any expert of any layer computed."""
+    pipeline ``stages`` (each holding its own layers: one all-reduce of 4 numbers, an all-gather of each stage's
+    per-layer list): the share of assignments dropped for capacity, the fewest / most tokens any expert of any
+    layer computed, each layer's max / mean expert load (1: perfectly balanced) and, with sigmoid routers, the
+    range of their balancing biases."""
     layers = moe_layers(model)
     local = np.concatenate([[sum(m.tally["assignments"] for m in layers), sum(m.tally["kept"] for m in layers)],
                             *[m.tally["load"] for m in layers]]).astype(np.float64)
@@ -173,8 +176,20 @@ def expert_report(model: Module, comm: Communicator, stages: Communicator | None
         counts = stages.all_reduce(counts, label="moe_report")
         negated_low, high = stages.all_reduce(np.array([-low, high]), op="max", label="moe_report")  # min = −max(−x)
         low = -negated_low
+    loads = total[2:].reshape(len(layers), -1) if layers else np.zeros((0, 1))
+    imbalance = [float(load.max() / max(load.mean(), 1e-12)) for load in loads]
+    biases = [to_host(m.score_bias) for m in layers if m.score_bias is not None]
+    bias_range = [float(min(b.min() for b in biases)), float(max(b.max() for b in biases))] if biases else []
+    if stages is not None and stages.size > 1:
+        gathered = [json.loads(part) for part in stages.all_gather_bytes(json.dumps([imbalance, bias_range]).encode(),
+                                                                         label="moe_report")]
+        imbalance = [value for stage, _ in gathered for value in stage]
+        ranges = [r for _, r in gathered if r]
+        bias_range = [min(r[0] for r in ranges), max(r[1] for r in ranges)] if ranges else []
     report = {"dropped_fraction": 1.0 - counts[1] / max(counts[0], 1.0), "expert_load_min": int(low),
-              "expert_load_max": int(high)}
+              "expert_load_max": int(high), "load_max_over_mean": imbalance}
+    if bias_range:
+        report["bias_range"] = bias_range
     if any("rows_out" in m.tally for m in layers):  # this rank's rows to / from other ep ranks (bytes_per_layer)
         report.update(rows_out=sum(m.tally["rows_out"] for m in layers), rows_in=sum(m.tally["rows_in"] for m in layers))
     return report
