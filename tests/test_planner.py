@@ -513,3 +513,27 @@ def test_multi_token_prediction_adds_a_block_a_projection_and_a_head():
     whole, split = base.activation_units()
     scores = 5 * 4 * 16 / C  # Korthikanti's 5·a·s/h
     assert after - before == pytest.approx(t * C * (whole + split + scores) * 4 / 2 + 2 * t * V * 4, rel=1e-12)
+
+
+def test_expert_all_to_all_volumes_of_todays_moe():
+    """The experts' exchanges per MoE layer and microbatch: the counts (E int64), then dispatch and combine forward
+    and backward, each an all-to-all(-v) of the k routed copies of the t tokens — k·t·C·itemsize, whatever the
+    shared experts (computed where the token is) and the groups (minipar sends one copy per chosen expert;
+    DeepSeek-V3's kernels send one per node, at most M over the network: not built). Dropless counts every
+    assignment (c = 1 in the rows computed)."""
+    from minipar.models.deepseek import DeepSeekConfig
+
+    alpha, beta = 1e-5, 1e-9
+    profile = planner.Profile("test", flops=1e12, bandwidth=1e11, op_overhead=0.0, memory=1e12, devices_per_node=64,
+                              intra=planner.Link(alpha, beta), inter=planner.Link(alpha, beta))
+    base = dict(vocab_size=64, block_size=16, n_layer=3, n_head=2, n_embd=16, n_inner=24, kv_lora_rank=8,
+                n_expert=8, expert_top_k=4, moe_inner=6, capacity_factor=0.0)
+    for extra in ({}, dict(n_shared_expert=2, first_dense_layers=1),
+                  dict(router="sigmoid", expert_groups=4, topk_groups=2, routed_scaling=2.5)):
+        cfg = DeepSeekConfig(**base, **extra)
+        tokens = 8 // 2 * 16  # batch 8 over dp 2
+        all_to_all = lambda n: alpha + n / 2 * beta  # noqa: E731  (ep = 2: one message of half)
+        per_layer = all_to_all(8 * 8) + 4 * all_to_all(4 * tokens * 16 * 4)
+        ep = planner.predict(cfg, 8, planner.Layout(2, 1, 1, ep=2), profile).breakdown["ep_comm"]
+        assert ep == pytest.approx(cfg.moe_blocks() * per_layer, rel=1e-12)
+        assert planner.expert_rows(cfg, tokens) == 4 * tokens  # dropless: the k assignments of every token

@@ -230,8 +230,9 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
                                                cp_link) if cp > 1 else 0.0
     if cp > 1 and cfg.n_expert:  # each MoE layer's routing: an all-gather of the k experts of t tokens (int64)
         route = (cp - 1) * (cp_link.alpha + t * cfg.expert_top_k * 8 * cp_link.beta)
-        cp_time += math.ceil(L / pp) * route * (2 if recompute == "full" else 1)
-    ep_time = math.ceil(L / pp) * expert_time(cfg, layout, t * C * itemsize, profile.link(layout.ep, layout.ep * cp * tp))
+        cp_time += cfg.moe_blocks(math.ceil(L / pp)) * route * (2 if recompute == "full" else 1)
+    moe_layers = cfg.moe_blocks(math.ceil(L / pp))  # the busiest (first) stage's: its dense blocks come first
+    ep_time = moe_layers * expert_time(cfg, layout, t * C * itemsize, profile.link(layout.ep, layout.ep * cp * tp))
     pp_link = profile.link(world, world)
     pipeline = layout.pipeline_schedule()
     pp_bytes = t * C * itemsize / (tp if profile.p2p_split else 1)
