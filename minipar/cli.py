@@ -28,6 +28,7 @@ from minipar.models import config_from_hf, exports_experts
 from minipar.models.gpt import RECOMPUTE, GPTConfig
 from minipar.models.deepseek import DeepSeekConfig
 from minipar.models.llama import LlamaConfig
+from minipar.models.qwen3 import Qwen3Config
 from minipar.parallel import planner
 from minipar.parallel.compression import COMPRESSIONS
 from minipar.parallel.context_parallel import KINDS as CP_KINDS
@@ -62,10 +63,11 @@ def boolean(text: str) -> bool:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_argument_group("model")
-    model.add_argument("--arch", choices=["gpt2", "llama", "deepseek"], default="gpt2",
+    model.add_argument("--arch", choices=["gpt2", "llama", "deepseek", "qwen3"], default="gpt2",
                        help="gpt2: learned positions, LayerNorm, GELU MLP, tied head; llama: RoPE, RMSNorm, SwiGLU, "
                             "grouped-query attention, no biases, untied head (models/llama.py); deepseek: Llama with "
-                            "DeepSeek-V3's multi-head latent attention and multi-token prediction (models/deepseek.py)")
+                            "DeepSeek-V3's multi-head latent attention and multi-token prediction (models/deepseek.py); "
+                            "qwen3: Llama with per-head QK-norm and its own head width (models/qwen3.py)")
     model.add_argument("--n-layer", type=int, default=4, help="transformer blocks")
     model.add_argument("--n-head", type=int, default=4, help="attention heads")
     model.add_argument("--n-kv-head", type=int, help="llama: key/value heads, a divisor of --n-head (default: --n-head)")
@@ -74,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     model.add_argument("--rope-theta", type=float, default=10000.0, help="llama, deepseek: the RoPE base θ")
     model.add_argument("--tie-embeddings", action="store_true",
                        help="llama, deepseek: the head shares the token embedding")
+    model.add_argument("--n-head-dim", type=int, default=0,
+                       help="qwen3: a head's width (0: C/H)")
     model.add_argument("--q-lora-rank", type=int, default=0,
                        help="deepseek: the query latent's width (0: queries from one projection)")
     model.add_argument("--kv-lora-rank", type=int, default=0,
@@ -275,11 +279,13 @@ def model_config(args: argparse.Namespace, resumed: Checkpoint | None = None) ->
                   n_embd=args.n_embd, dtype=model_dtype(args), n_expert=args.n_expert, expert_top_k=args.expert_top_k,
                   capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef,
                   **{name: getattr(args, name) for name in MOE_FLAGS})
-    if args.arch in ("llama", "deepseek"):
+    if args.arch in ("llama", "deepseek", "qwen3"):
         llama = dict(n_kv_head=args.n_kv_head or 0, n_inner=args.n_inner or 0, rope_theta=args.rope_theta,
                      tie_word_embeddings=args.tie_embeddings)
         if args.arch == "llama":
             return LlamaConfig(**shared, **llama)
+        if args.arch == "qwen3":
+            return Qwen3Config(**shared, **llama, n_head_dim=args.n_head_dim)
         return DeepSeekConfig(**shared, **llama, **{name: getattr(args, name) for name in DEEPSEEK_FLAGS})
     return GPTConfig(**shared)
 
@@ -289,7 +295,8 @@ MOE_FLAGS = ("moe_inner", "n_shared_expert", "first_dense_layers", "router", "no
 DEEPSEEK_FLAGS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mtp_depth",
                   "mtp_weight")
 MODEL_FLAGS = ("arch", "n_layer", "n_head", "n_embd", "block_size", "n_expert", "expert_top_k", "capacity_factor",
-               "aux_loss_coef", "n_kv_head", "n_inner", "rope_theta", "tie_embeddings", *MOE_FLAGS, *DEEPSEEK_FLAGS)
+               "aux_loss_coef", "n_kv_head", "n_inner", "rope_theta", "tie_embeddings", "n_head_dim", *MOE_FLAGS,
+               *DEEPSEEK_FLAGS)
 FLAG_FIELDS = {"n_kv_head": "kv_heads", "n_inner": "mlp_width", "tie_embeddings": "tie_word_embeddings"}
 
 
@@ -311,9 +318,10 @@ FLAG_NEEDS: dict[str, tuple[str, Any]] = {
     "cp_split": ("--cp 2 or more", lambda a: a.cp > 1),
     "no_prefetch": ("--zero 3", lambda a: a.zero == 3),
     "save_interval": ("--save", lambda a: bool(a.save)),
-    **{name: ("--arch llama or deepseek", lambda a: a.arch in ("llama", "deepseek") or bool(a.resume))
+    **{name: ("--arch llama, deepseek or qwen3", lambda a: a.arch in ("llama", "deepseek", "qwen3") or bool(a.resume))
        for name in ("n_inner", "rope_theta", "tie_embeddings")},
-    "n_kv_head": ("--arch llama", lambda a: a.arch == "llama" or bool(a.resume)),
+    "n_kv_head": ("--arch llama or qwen3", lambda a: a.arch in ("llama", "qwen3") or bool(a.resume)),
+    "n_head_dim": ("--arch qwen3", lambda a: a.arch == "qwen3" or bool(a.resume)),
     **{name: ("--arch deepseek", lambda a: a.arch == "deepseek" or bool(a.resume)) for name in DEEPSEEK_FLAGS},
 }
 

@@ -303,6 +303,7 @@ MODERN_MOE = ["--n-layer", "3", "--n-head", "2", "--n-embd", "16", "--block-size
               "--first-dense-layers", "1", "--capacity-factor", "0"]
 DEEPSEEK_MOE = ["--n-inner", "24", "--router", "sigmoid", "--expert-groups", "4", "--topk-groups", "2", "--routed-scaling", "2.5",
                 "--bias-update", "0.01", "--aux-loss-coef", "0.001"]
+QWEN3_MOE = ["--n-inner", "24", "--n-head-dim", "6", "--router", "softmax-topk", "--norm-topk-prob", "false"]
 # (ranks, the layout's flags, the model's) — the one-process reference runs dp·m microbatches
 TODAYS = {
     "dp2 ep2 deepseek": (2, ["--dp", "2", "--ep", "2"], ["--arch", "deepseek", *DEEPSEEK_MOE]),
@@ -313,6 +314,8 @@ TODAYS = {
     "cp2 ring gpt2 dropless": (2, ["--cp", "2"], []),
     "pp2 1f1b deepseek": (2, ["--pp", "2", "--microbatches", "2"], ["--arch", "deepseek", *DEEPSEEK_MOE]),
     "recompute full deepseek": (1, ["--recompute", "full"], ["--arch", "deepseek", *DEEPSEEK_MOE]),
+    "tp2 qwen3": (2, ["--tp", "2"], ["--arch", "qwen3", *QWEN3_MOE]),
+    "cp2 ulysses qwen3": (2, ["--cp", "2", "--cp-kind", "ulysses"], ["--arch", "qwen3", *QWEN3_MOE]),
 }
 
 

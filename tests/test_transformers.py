@@ -325,3 +325,80 @@ def test_a_moe_llama_that_routes_otherwise_has_no_mixtral_layout(tmp_path):
 
     with pytest.raises(ValueError, match="saves as MixtralForCausalLM when it routes as Mixtral does"):
         Llama(LlamaConfig(**{**MIXTRAL, "capacity_factor": 1.25})).save_hf(str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------------ Qwen3-MoE
+
+QWEN3 = dict(vocab_size=40, block_size=12, n_layer=3, n_head=4, n_kv_head=2, n_embd=16, n_inner=20, n_head_dim=6,
+             n_expert=8, expert_top_k=2, moe_inner=6, first_dense_layers=1, router="softmax-topk",
+             norm_topk_prob=False, capacity_factor=0.0, aux_loss_coef=0.0, layer_norm_epsilon=1e-5)
+
+
+def _float64_qwen3(monkeypatch):
+    """Qwen3-MoE's RMSNorms (the QK-norm's too), rotary tables and router softmax run in float32 in transformers."""
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen
+
+    def rms_norm(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    def rotary(self, x, position_ids):
+        D = 2 * self.inv_freq.numel()
+        inv_freq = 1.0 / self.config.rope_parameters["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+        freqs = position_ids[..., None].double() * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    def route(self, hidden_states):
+        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
+        top, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+        return logits, top / top.sum(dim=-1, keepdim=True) if self.norm_topk_prob else top, chosen
+
+    monkeypatch.setattr(qwen.Qwen3MoeRMSNorm, "forward", rms_norm)
+    monkeypatch.setattr(qwen.Qwen3MoeRotaryEmbedding, "forward", rotary)
+    monkeypatch.setattr(qwen.Qwen3MoeTopKRouter, "forward", route)
+
+
+def test_qwen3_moe_logits_loss_and_every_gradient(tmp_path, monkeypatch):
+    """A Qwen3-MoE — QK-norm, heads 6 wide on a 16-wide model, a dense first block, 8 fine-grained experts, gates
+    left unnormalized (norm_topk_prob false) — saves as Qwen3MoeForCausalLM: within 1e-4 of stock transformers, and
+    within 1e-10 (logits, loss, every gradient) once its float32 norms, rotary tables and router are float64;
+    loaded back bit for bit; greedy decoding equal."""
+    from minipar.models import from_hf
+    from minipar.models.qwen3 import Qwen3, Qwen3Config
+
+    ours = Qwen3(Qwen3Config(**QWEN3, dtype="float64"), seed=4)
+    ours.save_hf(str(tmp_path))
+    load = lambda: transformers.Qwen3MoeForCausalLM.from_pretrained(  # noqa: E731
+        str(tmp_path), dtype=torch.float64, attn_implementation="sdpa", experts_implementation="eager").eval()
+    rng = np.random.default_rng(5)
+    idx, targets = rng.integers(0, 40, (3, 12)), rng.integers(0, 40, (3, 12))
+    np.testing.assert_allclose(ours(idx)[0].data, load()(torch.tensor(idx)).logits.detach().numpy(), rtol=0, atol=1e-4)
+    _float64_qwen3(monkeypatch)
+    theirs = load()
+    logits, loss = ours(idx, targets)
+    loss.backward()
+    out = theirs(torch.tensor(idx))
+    reference = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 40), torch.tensor(targets).reshape(-1))
+    reference.backward()
+    np.testing.assert_allclose(logits.data, out.logits.detach().numpy(), rtol=0, atol=1e-10)
+    assert abs(loss.item() - reference.item()) <= 1e-10
+    grads = {n: p.grad.numpy() for n, p in theirs.named_parameters() if p.grad is not None}
+    for name, p in ours.named_parameters():
+        p_ = f"model.layers.{name.split('.')[2]}." if name.startswith("transformer.h.") else ""
+        part = name.split(".")[4] if name.count(".") >= 5 else None
+        if name.endswith(("attn.q_norm.weight", "attn.k_norm.weight")):
+            expected = grads[p_ + "self_attn." + name.split(".")[4] + ".weight"]
+        elif ".mlp." in name and int(name.split(".")[2]) >= 1:
+            expected = {"router": lambda: grads[p_ + "mlp.gate.weight"].T,
+                        "c_fc": lambda: grads[p_ + "mlp.experts.gate_up_proj"].transpose(0, 2, 1),
+                        "c_proj": lambda: grads[p_ + "mlp.experts.down_proj"].transpose(0, 2, 1)}[part]()
+        else:
+            expected = _hf_grad(grads, name)
+        np.testing.assert_allclose(p.grad, expected, rtol=0, atol=1e-10, err_msg=name)
+    back = from_hf(str(tmp_path))
+    assert (back.config.head_dim, back.config.first_dense_layers, back.config.norm_topk_prob) == (6, 1, False)
+    for name, value in ours.state_dict().items():
+        np.testing.assert_array_equal(back.state_dict()[name], value, err_msg=name)
+    prompt = np.array([[3, 1, 4, 1, 5]])
+    expected = theirs.generate(torch.tensor(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert ours.generate(prompt, max_new_tokens=4, top_k=1).tolist() == expected.tolist()

@@ -122,14 +122,18 @@ class RotaryAttention(CausalSelfAttention):
         self.n_head //= tp
         self.n_kv_head = max(1, self.n_kv_head // tp)  # tp > K: one K/V head, shared with other ranks
 
+    def before_rope(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """q (B, T, H, D) and k (B, T, K, D) as RoPE receives them (Qwen3 normalizes them here)."""
+        return q, k
+
     def forward(self, x: Tensor) -> Tensor:
         qkv = self.c_attn(x)
         B, T, _ = qkv.shape
         H, K, D = self.n_head, self.n_kv_head, self.head_dim
         qkv = qkv.reshape(B, T, H + 2 * K, D)
         cos, sin = ops.rope_tables(self.positions(T), D, self.theta, xp.float64 if x.dtype == xp.float64 else xp.float32)
-        q = ops.rope(qkv[:, :, :H], cos, sin)
-        k = ops.rope(qkv[:, :, H:H + K], cos, sin)
+        q, k = self.before_rope(qkv[:, :, :H], qkv[:, :, H:H + K])
+        q, k = ops.rope(q, cos, sin), ops.rope(k, cos, sin)
         packed = ops.concat([q, k, qkv[:, :, H + K:]], axis=2).reshape(B, T, (H + 2 * K) * D)
         return self.c_proj(self.core(packed, H, self.scale, kv_heads=K))
 
@@ -161,9 +165,11 @@ class LlamaTransformer(Module):
 class Llama(GPT):
     """GPT's interface (embed / blocks / head, generate, recomputation) on a Llama; ``lm_head`` when untied."""
 
+    Transformer = LlamaTransformer
+
     def __init__(self, cfg: LlamaConfig, seed: int = 0):
         self.config = cfg
-        self.transformer = LlamaTransformer(cfg)
+        self.transformer = self.Transformer(cfg)
         if not cfg.tie_word_embeddings:
             self.lm_head = Embedding(cfg.vocab_size, cfg.n_embd, dtype=cfg.dtype)
         for block in self.transformer.h:  # late-bound: context parallelism replaces given_positions

@@ -389,6 +389,9 @@ def tensor_parallel(model: GPT, comm: Communicator, sequence_parallel: bool = Fa
                                                      sp, replicated)
         block.attn.c_proj = RowParallelLinear(dev(p + "attn.c_proj.weight"), dev(p + "attn.c_proj.bias"), comm, sp)
         block.attn.keep_heads(tp)
+        for norm in (getattr(block.attn, "q_norm", None), getattr(block.attn, "k_norm", None)):  # Qwen3's QK-norm:
+            if norm is not None:  # whole gains on this rank's heads, their gradients summed over tp
+                norm.param_use = lambda w: CopyToTensorParallel.apply(w, comm, "tp_qk_norm")
         if not cfg.n_expert:  # a mixture-of-experts MLP runs whole on every tp rank (expert_parallel.py)
             block.mlp.c_fc = ColumnParallelLinear(dev(p + "mlp.c_fc.weight"), dev(p + "mlp.c_fc.bias"), comm, sp)
             block.mlp.c_proj = RowParallelLinear(dev(p + "mlp.c_proj.weight"), dev(p + "mlp.c_proj.bias"), comm, sp)
