@@ -6,6 +6,7 @@ data and expert parallelism.
     python benchmarks/moe.py --ranks 2 --steps 8
     python benchmarks/moe.py --gates               # the gate gather's backward: add.at against grouped rows
     python benchmarks/moe.py --balance --steps 300  # DeepSeek-V3's balancing: the loss, the bias, both, neither
+    python benchmarks/moe.py --overlap --ranks 2     # the shared experts computing while the tokens travel
 
 Each row is one ``python -m minipar train --json`` run under ``mpiexec -n RANKS`` (GPT L=2 H=4 C=128 T=64,
 batch 16, float32, capacity factor 1.25); figures are medians over the steps after the first. "ep MB" counts
@@ -63,6 +64,19 @@ def balance(steps: int) -> None:
               flush=True)
 
 
+def overlap(ranks: int, steps: int) -> None:
+    """dp = ep = ``ranks``, the balance model's experts: median step ms and the exposed exchange time (waiting for
+    the dispatch and combine, forward and backward: the step record's ``exposed_all_to_all_ms``), with the shared
+    experts computing while the tokens travel and with the exchanges blocking."""
+    flags = [*BALANCE, "--bias-update", "0.001", "--dp", str(ranks), "--ep", str(ranks), "--steps", str(steps)]
+    print(f"{'exchanges':<22}{'step ms':>9}{'exposed all-to-all ms':>23}")
+    for name, extra in (("overlapped", []), ("blocking", ["--no-moe-overlap"])):
+        records = [r for r in train_cli([*flags, *extra, "--eval-interval", "0"], ranks, timeout=3600)[0][1:]
+                   if "loss" in r]
+        print(f"{name:<22}{statistics.median(r['ms'] for r in records):>9.1f}"
+              f"{statistics.median(r['experts']['exposed_all_to_all_ms'] for r in records):>23.2f}", flush=True)
+
+
 def gate_gather(tokens: int, n_expert: int, k: int, repeat: int = 50) -> tuple[float, float]:
     """Best-of-``repeat`` ms of the backward of the MoE gates probs[rows, chosen] (N tokens, E experts, top-k): numpy's
     add.at with the tuple index (what GetItem's backward did before) and GetItem's backward now (a flat index)."""
@@ -93,9 +107,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--gates", action="store_true", help="time the gate gather's backward only")
     ap.add_argument("--balance", action="store_true", help="DeepSeek-V3's load balancing, one process (--steps)")
+    ap.add_argument("--overlap", action="store_true", help="overlapped against blocking expert exchanges (--ranks)")
     args = ap.parse_args()
     if args.balance:
         balance(args.steps)
+        return
+    if args.overlap:
+        overlap(args.ranks, args.steps)
         return
     if args.gates:
         print(f"{'tokens':>8}{'E':>5}{'k':>3}{'add.at ms':>11}{'GetItem ms':>12}")

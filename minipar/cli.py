@@ -202,6 +202,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "across groups (default: shard over all of them)")
     par.add_argument("--no-prefetch", action="store_true",
                      help="ZeRO-3: gather each block's parameters only when it runs, not one block ahead")
+    par.add_argument("--no-moe-overlap", action="store_true",
+                     help="--ep: block on the token exchanges instead of computing the shared experts while they "
+                          "travel (to measure the overlap)")
     par.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for DP / ZeRO-1/2")
     par.add_argument("--compression", choices=list(COMPRESSIONS), default="none",
                      help="compress data-parallel gradients (with --dp, --zero 0)")
@@ -317,6 +320,7 @@ FLAG_NEEDS: dict[str, tuple[str, Any]] = {
     "cp_kind": ("--cp 2 or more", lambda a: a.cp > 1),
     "cp_split": ("--cp 2 or more", lambda a: a.cp > 1),
     "no_prefetch": ("--zero 3", lambda a: a.zero == 3),
+    "no_moe_overlap": ("--ep 2 or more", lambda a: a.ep > 1),
     "save_interval": ("--save", lambda a: bool(a.save)),
     **{name: ("--arch llama, deepseek or qwen3", lambda a: a.arch in ("llama", "deepseek", "qwen3") or bool(a.resume))
        for name in ("n_inner", "rope_theta", "tie_embeddings")},

@@ -136,7 +136,7 @@ def test_every_mode_flag_is_refused_without_its_mode():
              "qk_nope_head_dim": ["4"], "qk_rope_head_dim": ["4"], "v_head_dim": ["4"], "mtp_depth": ["1"],
              "mtp_weight": ["0.1"], "moe_inner": ["8"], "n_shared_expert": ["1"], "first_dense_layers": ["1"],
              "router": ["sigmoid"], "norm_topk_prob": ["false"], "routed_scaling": ["2.5"], "expert_groups": ["2"],
-             "topk_groups": ["1"], "bias_update": ["0.001"], "n_head_dim": ["8"]}
+             "topk_groups": ["1"], "bias_update": ["0.001"], "n_head_dim": ["8"], "no_moe_overlap": []}
     mode = {"loss_scale": ["--precision", "fp16-mixed"], "topk_ratio": ["--compression", "topk"],
             "powersgd_rank": ["--compression", "powersgd"], "cp_kind": ["--cp", "2"], "cp_split": ["--cp", "2"],
             "no_prefetch": ["--zero", "3"], "save_interval": ["--save", "ckpt"],
@@ -145,7 +145,7 @@ def test_every_mode_flag_is_refused_without_its_mode():
                              "topk_groups", "bias_update"), ["--n-expert", "4"]),
             **dict.fromkeys(("outer_lr", "outer_momentum", "staleness"), ["--local-sgd", "4"]),
             **dict.fromkeys(("n_kv_head", "n_inner", "rope_theta", "tie_embeddings"), ["--arch", "llama"]),
-            **dict.fromkeys(("fp8_recipe", "fp8_block"), ["--precision", "fp8"]), "n_head_dim": ["--arch", "qwen3"],
+            **dict.fromkeys(("fp8_recipe", "fp8_block"), ["--precision", "fp8"]), "n_head_dim": ["--arch", "qwen3"], "no_moe_overlap": ["--ep", "2"],
             **dict.fromkeys(("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                              "mtp_depth", "mtp_weight"), ["--arch", "deepseek"])}
     assert set(given) == set(FLAG_NEEDS) == set(mode)

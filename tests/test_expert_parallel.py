@@ -347,3 +347,22 @@ def test_todays_moe_equals_one_process(tmp_path, name):
         assert len(report["load_max_over_mean"]) == 2 and report["dropped_fraction"] == 0  # 2 MoE layers, dropless
         np.testing.assert_allclose(report["load_max_over_mean"], expected["load_max_over_mean"], rtol=1e-12)
         assert report.get("bias_range") == expected.get("bias_range") and ("bias_range" in report) == bool(biases)
+
+
+def test_the_shared_experts_compute_while_the_tokens_travel(tmp_path):
+    """Under --ep the dispatch and combine go to the communication thread (an all-to-all-v each) and the shared
+    experts compute while the dispatch travels: the same numbers as the blocking exchange, bit for bit; the step
+    record's experts report the exposed exchange time, and --trace shows each wait as a span of its own."""
+    import json
+
+    flags = [*MODERN_MOE, "--arch", "deepseek", *DEEPSEEK_MOE, "--dp", "2", "--ep", "2"]
+    overlapped = train_cli([*flags, "--trace", str(tmp_path / "t.json"), "--save", str(tmp_path / "o")], 2)[0]
+    blocking = train_cli([*flags, "--no-moe-overlap", "--save", str(tmp_path / "b")], 2)[0]
+    assert [r["loss"] for r in overlapped] == [r["loss"] for r in blocking]
+    params = load_checkpoint(str(tmp_path / "o")).params, load_checkpoint(str(tmp_path / "b")).params
+    for name, value in params[1].items():
+        np.testing.assert_array_equal(params[0][name], value, err_msg=name)
+    assert all(r["experts"]["exposed_all_to_all_ms"] >= 0 for r in overlapped)
+    with open(tmp_path / "t.json") as f:
+        names = {event["name"] for event in json.load(f)["traceEvents"]}
+    assert {"wait ep_forward", "wait ep gradient rows"} <= names

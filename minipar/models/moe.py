@@ -200,13 +200,15 @@ class MoEMLP(Module):
         tokens[slot[kept]] = rows[kept]
         load = np.bincount(slot[kept] // cap, minlength=E)
         padded = ops.concat([flat, Tensor(xp.zeros((1, C), dtype=flat.dtype))], axis=0)
-        expert_out = self.run_experts(padded, tokens.reshape(E, cap), load)  # (E, cap, C)
+        shared: list[Tensor] = []  # the shared experts: computed while expert parallelism's dispatch travels
+        meanwhile = (lambda: shared.append(self.shared(flat))) if hasattr(self, "shared") else None
+        expert_out = self.run_experts(padded, tokens.reshape(E, cap), load, meanwhile)  # (E, cap, C)
         # combine: token n's j-th choice reads its slot (E·cap: a zero row for a dropped assignment)
         outputs = ops.concat([expert_out.reshape(E * cap, C), Tensor(xp.zeros((1, C), dtype=flat.dtype))], axis=0)
         picked = outputs[to_device(np.where(kept, slot, E * cap))]  # (N, k, C)
         y = (picked * gates.reshape(N, k, 1)).sum(axis=1)
-        if hasattr(self, "shared"):
-            y = y + self.shared(flat)
+        if shared:
+            y = y + shared[0]
         if self.router_kind == "sigmoid":  # DeepSeek-V3's sequence-wise balance, averaged over the B sequences
             chose = np.zeros((B, T, E))
             np.put_along_axis(chose, chosen.reshape(B, T, k), 1.0, axis=2)
@@ -238,9 +240,14 @@ class MoEMLP(Module):
         capacity = self.capacity(len(flat), assigned)
         return priority_slots(flat, self.n_expert, capacity), assigned, len(flat), capacity
 
-    def run_experts(self, padded: Tensor, tokens: np.ndarray, load: np.ndarray) -> Tensor:
+    overlap = False  # expert parallelism: its exchanges travel while the shared experts compute (expert_parallel.py)
+
+    def run_experts(self, padded: Tensor, tokens: np.ndarray, load: np.ndarray, meanwhile: Any = None) -> Tensor:
         """Every expert on its slots: (E, capacity, C) outputs for the (E, capacity) token indices into ``padded``
-        (its last row is zeros). Expert parallelism replaces this with a dispatch to the experts' owners."""
+        (its last row is zeros), after ``meanwhile()``. Expert parallelism replaces this with a dispatch to the
+        experts' owners, running ``meanwhile`` while the rows travel."""
+        if meanwhile is not None:
+            meanwhile()
         return self.experts(padded[to_device(tokens)])
 
     def experts(self, x: Tensor) -> Tensor:

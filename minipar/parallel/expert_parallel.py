@@ -41,11 +41,12 @@ Deep dive, with measurements: docs/experts.md.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import numpy as np
 
-from minipar import ops
+from minipar import ops, trace
 from minipar.autograd import Context, Function, Tensor
 from minipar.backend import to_device, to_host, xp
 from minipar.comm import Communicator
@@ -90,8 +91,81 @@ class AllToAllRows(Function):
         return back.reshape(-1, width), None, None, None, None
 
 
-def dispatch_to_owners(mlp: MoEMLP, comm: Communicator, padded: Tensor, tokens: np.ndarray, load: np.ndarray) -> Tensor:
-    """MoEMLP.run_experts across the ep ranks: (E, capacity, C) outputs, computed by the experts' owners."""
+class RowsInFlight:
+    """One exchange of rows between the ep ranks, split in two autograd nodes so that work runs while it travels:
+    :class:`StartRows` hands the rows to the communication thread (an all-to-all-v), :class:`FinishRows` waits for
+    what arrives. Backward the other way round: FinishRows' backward starts the gradient rows back, StartRows'
+    backward waits for them — whatever the backward walk reaches in between runs while they travel. The time spent
+    waiting (the exchange compute did not hide) adds to the layer's tally, ``exposed_s``."""
+
+    def __init__(self, mlp: MoEMLP, send: list[int], recv: list[int], comm: Communicator, label: str):
+        self.mlp, self.send, self.recv, self.comm, self.label = mlp, send, recv, comm, label
+        self.forward: Any = None
+        self.backward: Any = None
+        self.width = 0
+
+    def wait(self, handle: Any, name: str) -> Any:
+        t0 = time.perf_counter()
+        with trace.span(name, "comm"):
+            out = handle.wait()
+        if not ops.recomputing():
+            self.mlp.tally["exposed_s"] = self.mlp.tally.get("exposed_s", 0.0) + time.perf_counter() - t0
+        return out.reshape(-1, self.width)
+
+
+class StartRows(Function):
+    autocast = False  # moves data: keeps its dtype (16-bit messages under mixed precision)
+
+    @staticmethod
+    def forward(ctx: Context, x: Any, flight: RowsInFlight) -> Any:
+        ctx.flight, flight.width = flight, x.shape[1]
+        flight.forward = flight.comm.all_to_all_v(xp.ascontiguousarray(x), [n * x.shape[1] for n in flight.send],
+                                                  [n * x.shape[1] for n in flight.recv], async_op=True,
+                                                  label=flight.label)
+        return xp.zeros(0, dtype=x.dtype)  # a token: the rows arrive in FinishRows
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        return ctx.flight.wait(ctx.flight.backward, "wait ep gradient rows"), None
+
+
+class FinishRows(Function):
+    autocast = False
+
+    @staticmethod
+    def forward(ctx: Context, token: Any, flight: RowsInFlight) -> Any:
+        ctx.flight = flight
+        return flight.wait(flight.forward, f"wait {flight.label}")
+
+    @staticmethod
+    def backward(ctx: Context, g: Any) -> tuple:
+        flight, width = ctx.flight, g.shape[1]
+        flight.backward = flight.comm.all_to_all_v(xp.ascontiguousarray(g), [n * width for n in flight.recv],
+                                                   [n * width for n in flight.send], async_op=True,
+                                                   label="ep_backward")
+        return xp.zeros(0, dtype=g.dtype), None
+
+
+def exchange_rows(mlp: MoEMLP, x: Tensor, send: list[int], recv: list[int], comm: Communicator, label: str,
+                  meanwhile: Any = None) -> Tensor:
+    """Rows of ``x`` to the ep ranks (``send[j]`` to rank j, ``recv[i]`` from rank i); ``meanwhile()`` runs while
+    they travel (overlapped: the layer's ``overlap``), or after they arrived (blocking)."""
+    if not mlp.overlap:
+        out = AllToAllRows.apply(x, send, recv, comm, label)
+        if meanwhile is not None:
+            meanwhile()
+        return out
+    flight = RowsInFlight(mlp, send, recv, comm, label)
+    token = StartRows.apply(x, flight)
+    if meanwhile is not None:
+        meanwhile()
+    return FinishRows.apply(token, flight)
+
+
+def dispatch_to_owners(mlp: MoEMLP, comm: Communicator, padded: Tensor, tokens: np.ndarray, load: np.ndarray,
+                       meanwhile: Any = None) -> Tensor:
+    """MoEMLP.run_experts across the ep ranks: (E, capacity, C) outputs, computed by the experts' owners; the
+    shared experts (``meanwhile``) run while the dispatch travels."""
     E, cap = tokens.shape
     ep, local = comm.size, E // comm.size
     C = padded.shape[1]
@@ -105,7 +179,7 @@ def dispatch_to_owners(mlp: MoEMLP, comm: Communicator, padded: Tensor, tokens: 
     # 2. dispatch the kept rows in (owner, expert, slot) order
     order = np.concatenate([tokens[e, :load[e]] for e in range(E)])
     label = "ep_recompute" if again else "ep_forward"
-    arrived = AllToAllRows.apply(padded[to_device(order)], send, recv, comm, label)  # (Σ recv, C): source, expert, slot
+    arrived = exchange_rows(mlp, padded[to_device(order)], send, recv, comm, label, meanwhile)  # source, expert, slot
     # 3. local experts on (local, W, C): expert e's rows from source s at [start[e, s], start[e, s] + counts[s, e])
     per_expert = counts.sum(axis=0)
     width = int(per_expert.max()) if local else 0
@@ -124,7 +198,7 @@ def dispatch_to_owners(mlp: MoEMLP, comm: Communicator, padded: Tensor, tokens: 
     expert_in = ops.concat([arrived, zero], axis=0)[to_device(gather)].reshape(local, width, C)
     expert_out = mlp.experts(expert_in).reshape(local * width, C)
     # 4. combine: the outputs back to their sources, then into their (E, capacity) slots
-    returned = AllToAllRows.apply(expert_out[to_device(back)], recv, send, comm, label)  # (Σ send, C): `order`'s order
+    returned = exchange_rows(mlp, expert_out[to_device(back)], recv, send, comm, label)  # (Σ send, C): `order`'s order
     slots = np.full(E * cap, len(order), np.int64)
     slots[np.concatenate([e * cap + np.arange(load[e]) for e in range(E)])] = np.arange(len(order))
     me = comm.rank
@@ -191,7 +265,8 @@ def expert_report(model: Module, comm: Communicator, stages: Communicator | None
     if bias_range:
         report["bias_range"] = bias_range
     if any("rows_out" in m.tally for m in layers):  # this rank's rows to / from other ep ranks (bytes_per_layer)
-        report.update(rows_out=sum(m.tally["rows_out"] for m in layers), rows_in=sum(m.tally["rows_in"] for m in layers))
+        report.update(rows_out=sum(m.tally["rows_out"] for m in layers), rows_in=sum(m.tally["rows_in"] for m in layers),
+                      exposed_all_to_all_ms=1e3 * sum(m.tally.get("exposed_s", 0.0) for m in layers))
     return report
 
 
@@ -204,9 +279,11 @@ def expert_names(model: Module) -> set[str]:
     return {n for n, p in model.named_parameters() if p.placement.experts}
 
 
-def expert_parallel(model: Module, comm: Communicator) -> Module:
+def expert_parallel(model: Module, comm: Communicator, overlap: bool = True) -> Module:
     """Keep only this rank's E/ep experts of every MoE layer, in place, and route tokens to their owners over
-    ``comm`` (the ep group). Every rank must hold the same full model (same seed or checkpoint)."""
+    ``comm`` (the ep group). Every rank must hold the same full model (same seed or checkpoint). ``overlap``: the
+    exchanges run on the communication thread while the shared experts (forward) and whatever backward reaches
+    first compute (:class:`RowsInFlight`); else they block."""
     ep, rank = comm.size, comm.rank
     names = expert_names(model)
     local = shard_expert_state(model.state_dict(), ep, rank, names)
@@ -218,7 +295,9 @@ def expert_parallel(model: Module, comm: Communicator) -> Module:
                 param = Parameter(to_device(local[name], dtype=getattr(linear, attr).dtype))
                 param.placement = getattr(linear, attr).placement
                 setattr(linear, attr, param)
-        mlp.run_experts = lambda padded, tokens, load, mlp=mlp: dispatch_to_owners(mlp, comm, padded, tokens, load)
+        mlp.run_experts = lambda padded, tokens, load, meanwhile=None, mlp=mlp: dispatch_to_owners(
+            mlp, comm, padded, tokens, load, meanwhile)
+        mlp.overlap = overlap
     for p in model.parameters():  # the experts split over ep, the rest whole on every ep rank (their placement)
         p.placement = p.placement.placed(ep_size=ep)
     return model

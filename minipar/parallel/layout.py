@@ -71,6 +71,7 @@ class Layout:
     local_sgd: int = 0          # H: average the replicas every H steps instead of the gradients every step
     # each mode's own options (read only when the mode is on)
     prefetch: bool = True       # ZeRO-3 gathers the next layer's parameters while this one computes
+    moe_overlap: bool = True    # --ep: the token exchanges travel while the shared experts compute
     reduce_dtype: str = "auto"  # "float32": gradients reduce in float32 (always so under fp16-mixed)
     topk_ratio: float = 0.01    # --compression topk: the share of entries sent
     powersgd_rank: int = 4      # --compression powersgd: the rank of the factors
@@ -106,7 +107,8 @@ class Layout:
                    schedule=args.schedule, recompute=args.recompute or "none", cp=args.cp, cp_kind=args.cp_kind,
                    sp=args.sp, ep=args.ep, virtual_stages=args.virtual_stages, shard_group=args.shard_group or 0,
                    cp_split=args.cp_split or "", precision=args.precision, compression=args.compression,
-                   local_sgd=args.local_sgd, prefetch=not args.no_prefetch, reduce_dtype=args.reduce_dtype,
+                   local_sgd=args.local_sgd, prefetch=not args.no_prefetch, moe_overlap=not args.no_moe_overlap,
+                   reduce_dtype=args.reduce_dtype,
                    topk_ratio=args.topk_ratio, powersgd_rank=args.powersgd_rank, outer_lr=args.outer_lr,
                    outer_momentum=args.outer_momentum, staleness=args.staleness, fp8_recipe=args.fp8_recipe,
                    fp8_block=args.fp8_block or 0)
@@ -221,7 +223,7 @@ class Layout:
         if self.tp > 1:
             model = tensor_parallel(model, mesh.tp_comm, self.sp)
         if self.ep > 1:
-            model = expert_parallel(model, mesh.ep_comm)
+            model = expert_parallel(model, mesh.ep_comm, self.moe_overlap)
         model.set_recompute(self.recompute)
         if self.precision == "fp8":
             model.set_fp8(self.fp8())
@@ -305,6 +307,7 @@ class Layout:
                 *(["--shard-group", str(self.shard_group)] if self.shard_group else []),
                 "--precision", self.precision, "--compression", self.compression, "--local-sgd", str(self.local_sgd),
                 *(["--no-prefetch"] if not self.prefetch and self.zero == 3 else []),
+                *(["--no-moe-overlap"] if not self.moe_overlap and self.ep > 1 else []),
                 *(["--reduce-dtype", self.reduce_dtype] if self.reduce_dtype != "auto" else []),
                 *(["--topk-ratio", str(self.topk_ratio)] if self.compression == "topk" else []),
                 *(["--powersgd-rank", str(self.powersgd_rank)] if self.compression == "powersgd" else []),
