@@ -49,7 +49,7 @@ import numpy as np
 from minipar import ops, trace
 from minipar.autograd import Context, Function, Tensor
 from minipar.backend import to_device, to_host, xp
-from minipar.comm import Communicator
+from minipar.comm import Communicator, Handle
 from minipar.models.moe import MoEMLP
 from minipar.nn import Module, Parameter
 
@@ -70,36 +70,18 @@ def check_expert_parallel(cfg: Any, ep: int, dp: int) -> None:
                          "replicas")
 
 
-class AllToAllRows(Function):
-    """Rows of ``x`` (R, C) to the ranks of ``comm``: ``send[j]`` rows to rank j, ``recv[i]`` rows from rank i.
-    Backward sends the gradient rows back the way they came (the same exchange with the counts swapped)."""
-
-    autocast = False  # moves data: keeps its dtype (16-bit messages under mixed precision)
-
-    @staticmethod
-    def forward(ctx: Context, x: Any, send: list[int], recv: list[int], comm: Communicator, label: str) -> Any:
-        ctx.send, ctx.recv, ctx.comm, width = send, recv, comm, x.shape[1]
-        out = comm.all_to_all_v(xp.ascontiguousarray(x), [n * width for n in send], [n * width for n in recv],
-                                label=label)
-        return out.reshape(-1, width)
-
-    @staticmethod
-    def backward(ctx: Context, g: Any) -> tuple:
-        width = g.shape[1]
-        back = ctx.comm.all_to_all_v(xp.ascontiguousarray(g), [n * width for n in ctx.recv],
-                                     [n * width for n in ctx.send], label="ep_backward")
-        return back.reshape(-1, width), None, None, None, None
-
-
 class RowsInFlight:
     """One exchange of rows between the ep ranks, split in two autograd nodes so that work runs while it travels:
     :class:`StartRows` hands the rows to the communication thread (an all-to-all-v), :class:`FinishRows` waits for
     what arrives. Backward the other way round: FinishRows' backward starts the gradient rows back, StartRows'
     backward waits for them — whatever the backward walk reaches in between runs while they travel. The time spent
-    waiting (the exchange compute did not hide) adds to the layer's tally, ``exposed_s``."""
+    waiting (the exchange compute did not hide) adds to the layer's tally, ``exposed_s``. ``blocking``: each half
+    waits as soon as it starts (the whole exchange exposed), to measure what the overlap hides."""
 
-    def __init__(self, mlp: MoEMLP, send: list[int], recv: list[int], comm: Communicator, label: str):
+    def __init__(self, mlp: MoEMLP, send: list[int], recv: list[int], comm: Communicator, label: str,
+                 blocking: bool = False):
         self.mlp, self.send, self.recv, self.comm, self.label = mlp, send, recv, comm, label
+        self.blocking = blocking
         self.forward: Any = None
         self.backward: Any = None
         self.width = 0
@@ -122,6 +104,8 @@ class StartRows(Function):
         flight.forward = flight.comm.all_to_all_v(xp.ascontiguousarray(x), [n * x.shape[1] for n in flight.send],
                                                   [n * x.shape[1] for n in flight.recv], async_op=True,
                                                   label=flight.label)
+        if flight.blocking:
+            flight.forward = Handle.completed(flight.wait(flight.forward, f"wait {flight.label}"))
         return xp.zeros(0, dtype=x.dtype)  # a token: the rows arrive in FinishRows
 
     @staticmethod
@@ -143,6 +127,8 @@ class FinishRows(Function):
         flight.backward = flight.comm.all_to_all_v(xp.ascontiguousarray(g), [n * width for n in flight.recv],
                                                    [n * width for n in flight.send], async_op=True,
                                                    label="ep_backward")
+        if flight.blocking:
+            flight.backward = Handle.completed(flight.wait(flight.backward, "wait ep gradient rows"))
         return xp.zeros(0, dtype=g.dtype), None
 
 
@@ -150,12 +136,7 @@ def exchange_rows(mlp: MoEMLP, x: Tensor, send: list[int], recv: list[int], comm
                   meanwhile: Any = None) -> Tensor:
     """Rows of ``x`` to the ep ranks (``send[j]`` to rank j, ``recv[i]`` from rank i); ``meanwhile()`` runs while
     they travel (overlapped: the layer's ``overlap``), or after they arrived (blocking)."""
-    if not mlp.overlap:
-        out = AllToAllRows.apply(x, send, recv, comm, label)
-        if meanwhile is not None:
-            meanwhile()
-        return out
-    flight = RowsInFlight(mlp, send, recv, comm, label)
+    flight = RowsInFlight(mlp, send, recv, comm, label, blocking=not mlp.overlap)
     token = StartRows.apply(x, flight)
     if meanwhile is not None:
         meanwhile()
