@@ -174,7 +174,7 @@ def test_safetensors_reads_bf16(tmp_path):
 
 @pytest.mark.parametrize("bad,match", [(dict(n_embd=10, n_head=4), "divisible"), (dict(n_layer=0), "positive"),
                                        (dict(dtype="int8"), "dtype"),
-                                       (dict(n_expert=2, capacity_factor=0.0), "capacity_factor must be > 0"),
+                                       (dict(n_expert=2, capacity_factor=-0.5), "capacity_factor must be >= 0"),
                                        (dict(n_expert=2, aux_loss_coef=-0.1), "aux_loss_coef >= 0")])
 def test_config_validation(bad, match):
     with pytest.raises(ValueError, match=match):

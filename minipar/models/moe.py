@@ -161,9 +161,12 @@ class MoEMLP(Module):
     def reset_tally(self) -> None:
         self.tally: dict[str, Any] = {"assignments": 0, "kept": 0, "load": np.zeros(self.n_expert, np.int64)}
 
-    def capacity(self, n_tokens: int, assigned: np.ndarray) -> int:
-        """Slots per expert for a group of ``n_tokens``: ⌈c·k·N/E⌉, or dropless (c = 0) the most ``assigned``."""
+    def capacity(self, n_tokens: int, assigned: np.ndarray | None = None) -> int:
+        """Slots per expert for a group of ``n_tokens``: ⌈c·k·N/E⌉, or dropless (c = 0) the most ``assigned`` (the
+        group's assignments per expert)."""
         if self.capacity_factor == 0:
+            if assigned is None:
+                raise ValueError("a dropless layer's capacity is its group's fullest expert: pass the assignments")
             return max(1, int(assigned.max()))
         return max(1, math.ceil(self.capacity_factor * self.top_k * n_tokens / self.n_expert))
 
