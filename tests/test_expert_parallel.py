@@ -350,6 +350,7 @@ def test_todays_moe_equals_one_process(tmp_path, name):
         assert report.get("bias_range") == expected.get("bias_range") and ("bias_range" in report) == bool(biases)
 
 
+@pytest.mark.slow  # two 2-rank runs: the full suite; the fast subset runs ep with the overlap on (dp2 ep2 deepseek)
 def test_the_shared_experts_compute_while_the_tokens_travel(tmp_path):
     """Under --ep the dispatch and combine go to the communication thread (an all-to-all-v each) and the shared
     experts compute while the dispatch travels: the same numbers as the blocking exchange, bit for bit; the step

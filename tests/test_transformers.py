@@ -276,6 +276,7 @@ def _float64_mixtral(monkeypatch):
     monkeypatch.setattr(mixtral.MixtralTopKRouter, "forward", route)
 
 
+@pytest.mark.slow  # the full suite; the fast subset compares Qwen3-MoE, the same experts behind the same router
 def test_mixtral_logits_loss_and_every_gradient(tmp_path, monkeypatch):
     """A MoE Llama routed as Mixtral (softmax over the 2 chosen, dropless) saves as MixtralForCausalLM (per-expert
     w1 | w3 | w2, the router as block_sparse_moe.gate): within 1e-4 of stock transformers, and within 1e-10 —
