@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -144,11 +146,67 @@ def plan_command(args: argparse.Namespace) -> None:
     flops = lambda layout: planner.megatron_flops(cfg, args.batch_size, layout.recompute == "full")  # noqa: E731
     experts = f" E={cfg.n_expert} top-{cfg.expert_top_k}" if cfg.n_expert else ""
     kv = f" K={cfg.kv_heads}" if cfg.kv_heads != H else ""
+    model_flags = plan_train_flags(args, cfg, dtype)
+    if args.check:
+        check_predictions(predictions, model_flags, args)
+        return
+    if args.json:
+        for prediction in predictions[:args.top]:
+            print(json.dumps(planner.prediction_record(prediction, model_flags)))
+        return
     print(f"{cfg.display_name} L={L} H={H}{kv} C={C} T={T} V={V}{experts} ({cfg.num_parameters() / 1e6:,.1f} M params), "
           f"batch {args.batch_size}, {dtype}, {args.world} × {profile.name} ({profile.memory / 1e9:.0f} GB)")
     if args.fp8_recipe:
         print(planner.fp8_assumptions(args.fp8_recipe, profile))
     print(planner.format_plan(predictions, args.top, flops))
+
+
+def plan_train_flags(args: argparse.Namespace, cfg: Any, dtype: str) -> list[str]:
+    """The ``train`` flags of the planned model, batch and precision (a layout's own: Layout.flags)."""
+    flags = ["--arch", cfg.arch, "--n-layer", str(cfg.n_layer), "--n-head", str(cfg.n_head), "--n-embd",
+             str(cfg.n_embd), "--block-size", str(cfg.block_size), "--batch-size", str(args.batch_size)]
+    if cfg.arch == "llama":
+        flags += ["--n-kv-head", str(cfg.kv_heads), "--n-inner", str(cfg.mlp_width)]
+    if cfg.n_expert:
+        flags += ["--n-expert", str(cfg.n_expert), "--expert-top-k", str(cfg.expert_top_k), "--capacity-factor",
+                  str(cfg.capacity_factor)]
+    if args.fp8_recipe:
+        return flags + ["--precision", "fp8", "--fp8-recipe", args.fp8_recipe]
+    return flags + (["--precision", "bf16-mixed"] if dtype == "bfloat16" else ["--dtype", dtype])
+
+
+def check_predictions(predictions: list[Any], model_flags: list[str], args: argparse.Namespace) -> None:
+    """``plan --check K``: run the K best predicted layouts and plain data parallelism for ``--check-steps`` steps
+    each, with the very flags ``train`` takes (``mpiexec -n WORLD python -m minipar train ...``), and print the
+    predicted step time beside the measured median (steps after the first two), with the error; the measured best
+    last. One run at a time: each has the machine."""
+    from minipar.parallel.layout import Layout
+    from minipar.testing import mpiexec
+
+    chosen = [p for p in predictions if p.feasible][:args.check]
+    plain = next((p for p in predictions if p.layout == Layout(dp=args.world)), None)
+    if plain is not None and plain not in chosen:
+        chosen.append(plain)
+    if args.check_steps < 3:
+        raise ValueError(f"--check-steps must be >= 3 (the first two steps are warm-up), got {args.check_steps}")
+    print(f"{'layout':<44}{'predicted ms':>13}{'measured ms':>13}{'error':>8}", flush=True)
+    measured = []
+    for prediction in chosen:
+        flags = [*prediction.layout.flags(), *model_flags, "--steps", str(args.check_steps), "--warmup", "1",
+                 "--eval-interval", "0", "--json", "--log-interval", "1"]
+        command = [mpiexec(), "-n", str(args.world), sys.executable, "-m", "minipar", "train", *flags]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.check_timeout)
+        if done.returncode:
+            raise RuntimeError(f"{prediction.layout}: train failed (exit {done.returncode}): "
+                               f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}")
+        steps = [json.loads(line)["ms"] for line in done.stdout.splitlines() if line.startswith("{") and '"ms"' in line]
+        ms = statistics.median(steps[2:])
+        measured.append((ms, prediction))
+        error = (prediction.step_time * 1e3 - ms) / ms
+        print(f"{str(prediction.layout):<44}{prediction.step_time * 1e3:>13.1f}{ms:>13.1f}{error:>+8.0%}", flush=True)
+    best_ms, best = min(measured, key=lambda pair: pair[0])
+    print(f"measured best: {best.layout} ({best_ms:.1f} ms/step; predicted first: {chosen[0].layout}) -> train flags: "
+          f"{' '.join(best.layout.flags())}")
 
 
 def plan_profile(args: argparse.Namespace) -> Any:
@@ -164,11 +222,11 @@ def plan_profile(args: argparse.Namespace) -> Any:
             raise
     if args.world > 4 * (os.cpu_count() or 1):
         print(f"no profile given and {args.world} ranks is more than this machine can calibrate: "
-              f"using --profile a100-80gb", flush=True)
+              f"using --profile a100-80gb", file=sys.stderr, flush=True)
         return planner.BUILTIN_PROFILES["a100-80gb"]
     path = planner.default_profile_path(args.world)
     print(f"no calibration of this machine for {args.world} rank(s) yet: measuring it "
-          f"(mpiexec -n {args.world} python -m minipar plan --calibrate) -> {path}", flush=True)
+          f"(mpiexec -n {args.world} python -m minipar plan --calibrate) -> {path}", file=sys.stderr, flush=True)
     command = [mpiexec(), "-n", str(args.world), sys.executable, "-m", "minipar", "plan", "--calibrate", "--profile", path]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, **RANK_ENV})
     if done.returncode:
@@ -233,6 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="predict published large-scale runs (Megatron-LM 2021/2022) and print the errors")
     pl.add_argument("--calibrate", action="store_true",
                     help="measure this machine and save its profile (run under mpiexec -n WORLD)")
+    pl.add_argument("--json", action="store_true",
+                    help="one JSON object per candidate: its train flags, predicted step time and terms, memory")
+    pl.add_argument("--check", type=int, default=0, metavar="K",
+                    help="run the K best predicted layouts and plain dp with train on this machine, print predicted "
+                         "against measured, and the measured best")
+    pl.add_argument("--check-steps", type=int, default=8, help="--check: steps per run (the first two not timed)")
+    pl.add_argument("--check-timeout", type=float, default=600.0, help="--check: seconds a run may take")
     tplot = commands.add_parser("trace-plot", help="draw a --trace timeline (text, and a PNG with -o)",
                                 description="Draw the per-rank timeline written by train --trace.",
                                 formatter_class=HelpWithDefaults)

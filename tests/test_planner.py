@@ -537,3 +537,49 @@ def test_expert_all_to_all_volumes_of_todays_moe():
         ep = planner.predict(cfg, 8, planner.Layout(2, 1, 1, ep=2), profile).breakdown["ep_comm"]
         assert ep == pytest.approx(cfg.moe_blocks() * per_layer, rel=1e-12)
         assert planner.expert_rows(cfg, tokens) == 4 * tokens  # dropless: the k assignments of every token
+
+
+def test_plan_json_is_one_object_per_candidate_with_train_flags_and_terms():
+    """plan --json: a JSON object per candidate, its train flags parsed and accepted by train's own checks, the
+    predicted step time and its terms — compute = gemm + memory_bound + op_overhead; the step = compute + bubble +
+    each axis's exposed communication + the optimizer."""
+    from minipar.__main__ import build_parser, explicit_flags
+    from minipar.cli import validate
+
+    out = subprocess.run([sys.executable, "-m", "minipar", "plan", "--world", "4", "--profile", "a100-80gb", "--top",
+                          "6", "--json", "--n-layer", "4", "--n-head", "4", "--n-embd", "64"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(records) == 6 and records == sorted(records, key=lambda r: (not r["feasible"], r["step_ms"]))
+    for record in records:
+        terms = record["terms_ms"]
+        assert terms["compute"] == pytest.approx(terms["gemm"] + terms["memory_bound"] + terms["op_overhead"], rel=1e-12)
+        axes = ("bubble", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm_exposed", "optimizer")
+        assert record["step_ms"] == pytest.approx(terms["compute"] + sum(terms[k] for k in axes), rel=1e-9)
+        args = build_parser().parse_args(["train", *record["flags"]])
+        args.explicit = explicit_flags(record["flags"])
+        _, layout = validate(args, 4, None)
+        assert str(layout) == record["layout"]
+
+
+@pytest.mark.slow  # three 2-rank runs: the full suite
+def test_plan_check_runs_the_candidates_and_names_the_measured_best():
+    """plan --check 2 on 2 ranks: a row per run — the 2 best predicted and plain data parallelism — each with its
+    predicted and measured step time and the error between them, and the measured best named among them (its
+    flags are train's). No timing is asserted."""
+    out = subprocess.run([sys.executable, "-m", "minipar", "plan", "--world", "2", "--profile", "a100-80gb",
+                          "--check", "2", "--check-steps", "4", "--n-layer", "2", "--n-embd", "32", "--block-size",
+                          "16", "--batch-size", "4"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    rows = [line for line in lines if line.startswith("dp")]
+    assert len(rows) == 3 and any(row.startswith("dp2·tp1·pp1 zero0 m1 ") for row in rows)
+    for row in rows:
+        predicted, measured, error = row[44:].split()
+        assert float(measured) > 0 and error.endswith("%")
+        p, m = float(predicted), float(measured)  # printed to 0.1 ms: the error lies within what that rounding allows
+        bounds = [(p + dp - m - dm) / (m + dm) * 100 for dp in (-0.05, 0.05) for dm in (-0.05, 0.05)]
+        assert min(bounds) - 0.5 <= float(error[:-1]) <= max(bounds) + 0.5
+    best = next(line for line in lines if line.startswith("measured best: "))
+    assert any(best.startswith(f"measured best: {row.split()[0]} ") for row in rows) and "--dp" in best

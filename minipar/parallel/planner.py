@@ -217,7 +217,6 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     replicated = profile.passes_replicated * t * C / (tp if layout.sp else 1)
     layer_bytes = ((profile.passes_act * t * C / tp + replicated) * passes / 3
                    + attention_passes * b * H * T * T / (cp * tp)) * itemsize
-    layer_time = gemm_time + layer_bytes / profile.bandwidth + profile.ops_per_layer * profile.op_overhead
     head_time = 6 * t * C * V / tp / flops + 4 * t * V / tp * itemsize / profile.bandwidth
     tp_link = profile.link(tp, tp)
     # per layer and forward pass, in ring all-reduces of t·C: attention 1 and the MLP 1 — a MoE MLP none, or
@@ -238,8 +237,12 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     pp_bytes = t * C * itemsize / (tp if profile.p2p_split else 1)
     pp_time = 2 * pipeline.v * (pp_link.alpha + pp_bytes * pp_link.beta) if pp > 1 else 0.0
     mtp = getattr(cfg, "mtp_depth", 0)  # DeepSeek's MTP modules, on the last stage: a block, the 2C → C projection
-    mtp_time = mtp * (layer_time + 3 * 2 * t * 2 * C * C / flops + head_time)  # (whole on every tp rank), the head
-    stage_compute = (math.ceil(L / pp) * layer_time + head_time + mtp_time) * share
+    blocks = math.ceil(L / pp) + mtp    # (whole on every tp rank) and the head, each
+    head_gemm = 6 * t * C * V / tp / flops
+    parts = {"gemm": blocks * gemm_time + (1 + mtp) * head_gemm + mtp * 3 * 2 * t * 2 * C * C / flops,
+             "memory_bound": blocks * layer_bytes / profile.bandwidth + (1 + mtp) * (head_time - head_gemm),
+             "op_overhead": blocks * profile.ops_per_layer * profile.op_overhead}
+    stage_compute = sum(parts.values()) * share
     microbatch = stage_compute + tp_time + cp_time + ep_time + pp_time
     pipeline_time = m * microbatch / (1 - pipeline.bubble()) if pp > 1 else m * microbatch
 
@@ -262,7 +265,8 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
 
     states, activations = memory_per_rank(cfg, batch_size, layout, itemsize)
     memory = states + activations
-    breakdown = {"compute": m * stage_compute, "bubble": pipeline_time - m * microbatch, "tp_comm": m * tp_time,
+    breakdown = {"compute": m * stage_compute, **{k: m * v * share for k, v in parts.items()},
+                 "bubble": pipeline_time - m * microbatch, "tp_comm": m * tp_time,
                  "cp_comm": m * cp_time, "ep_comm": m * ep_time, "pp_comm": m * pp_time, "dp_comm_exposed": exposed_dp,
                  "optimizer": optimizer, "model_states": states, "activations": activations}
     return Prediction(layout, step, memory, memory <= profile.memory, breakdown)
@@ -643,6 +647,17 @@ def format_plan(predictions: list[Prediction], top: int, model_flops: Any = None
         lines.append(row)
     lines.append("(times in ms; * = does not fit in device memory)")
     return "\n".join(lines)
+
+
+def prediction_record(prediction: Prediction, train_flags: list[str]) -> dict[str, Any]:
+    """One candidate as ``plan --json`` prints it: its layout and the ``train`` flags that run it, the predicted step
+    time and its terms (compute = gemm + memory_bound + op_overhead; each axis's exposed communication; the
+    bubble; the optimizer), in ms, and the memory per rank."""
+    terms = {k: v * 1e3 for k, v in prediction.breakdown.items() if k not in ("model_states", "activations")}
+    return {"layout": str(prediction.layout), "flags": [*prediction.layout.flags(), *train_flags],
+            "step_ms": prediction.step_time * 1e3, "terms_ms": terms, "memory_gb": prediction.memory / 1e9,
+            "memory_terms_gb": {k: prediction.breakdown[k] / 1e9 for k in ("model_states", "activations")},
+            "feasible": prediction.feasible}
 
 
 def default_profile_path(world: int) -> str:
