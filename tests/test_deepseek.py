@@ -168,21 +168,11 @@ def _transformers():
 def _float64_deepseek(monkeypatch):
     """transformers computes RMSNorm and the RoPE angles in float32 even for a float64 model: the reference runs
     those steps in float64 (sdpa: a float64 softmax), so that the comparison can be at 1e-10."""
-    torch, _ = _transformers()
+    _transformers()
+    from float64_reference import float64_steps
     from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
 
-    def rms_norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def rotary(self, x, position_ids):
-        D = 2 * self.inv_freq.numel()
-        inv_freq = 1.0 / self.config.rope_parameters["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
-        freqs = position_ids[..., None].double() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    monkeypatch.setattr(ds.DeepseekV3RMSNorm, "forward", rms_norm)
-    monkeypatch.setattr(ds.DeepseekV3RotaryEmbedding, "forward", rotary)
+    float64_steps(monkeypatch, ds.DeepseekV3RMSNorm, ds.DeepseekV3RotaryEmbedding)
 
 
 def _pair(tmp_path, cfg, seed=0):

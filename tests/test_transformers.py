@@ -16,6 +16,8 @@ from minipar.models.gpt import GPT, GPTConfig  # noqa: E402
 from minipar.optim import AdamW  # noqa: E402
 from minipar.testing import train_cli  # noqa: E402
 
+from float64_reference import float64_steps  # noqa: E402
+
 CONFIGS = [dict(vocab_size=37, block_size=16, n_layer=2, n_head=2, n_embd=8),
            dict(vocab_size=64, block_size=12, n_layer=3, n_head=4, n_embd=16, scale_attn_by_inverse_layer_idx=True)]
 
@@ -122,18 +124,7 @@ def _float64_llama(monkeypatch):
     reference runs those three steps in float64, so that the comparison can be at 1e-10."""
     from transformers.models.llama import modeling_llama as llama
 
-    def rms_norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def rotary(self, x, position_ids):
-        D = 2 * self.inv_freq.numel()
-        inv_freq = 1.0 / self.config.rope_parameters["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
-        freqs = position_ids[..., None].double() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    monkeypatch.setattr(llama.LlamaRMSNorm, "forward", rms_norm)
-    monkeypatch.setattr(llama.LlamaRotaryEmbedding, "forward", rotary)
+    float64_steps(monkeypatch, llama.LlamaRMSNorm, llama.LlamaRotaryEmbedding)
 
 
 def _llama_pair(tmp_path, cfg, seed=0):
@@ -256,69 +247,7 @@ def _float64_mixtral(monkeypatch):
     """Mixtral's RMSNorm, rotary tables and router softmax run in float32 in transformers: float64 here."""
     from transformers.models.mixtral import modeling_mixtral as mixtral
 
-    def rms_norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def rotary(self, x, position_ids):
-        D = 2 * self.inv_freq.numel()
-        inv_freq = 1.0 / self.config.rope_parameters["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
-        freqs = position_ids[..., None].double() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    def route(self, hidden_states):
-        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
-        top, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
-        return logits, top / top.sum(dim=-1, keepdim=True), chosen
-
-    monkeypatch.setattr(mixtral.MixtralRMSNorm, "forward", rms_norm)
-    monkeypatch.setattr(mixtral.MixtralRotaryEmbedding, "forward", rotary)
-    monkeypatch.setattr(mixtral.MixtralTopKRouter, "forward", route)
-
-
-@pytest.mark.slow  # the full suite; the fast subset compares Qwen3-MoE, the same experts behind the same router
-def test_mixtral_logits_loss_and_every_gradient(tmp_path, monkeypatch):
-    """A MoE Llama routed as Mixtral (softmax over the 2 chosen, dropless) saves as MixtralForCausalLM (per-expert
-    w1 | w3 | w2, the router as block_sparse_moe.gate): within 1e-4 of stock transformers, and within 1e-10 —
-    logits, loss, every gradient — once its float32 norms, rotary tables and router run in float64; loaded back
-    bit for bit; greedy decoding equal. (minipar's balancing loss is Switch's per layer, transformers' Mixtral one
-    over all layers' tokens at once: the comparison runs with aux_loss_coef 0.)"""
-    from minipar.models import from_hf
-    from minipar.models.llama import Llama, LlamaConfig
-
-    ours = Llama(LlamaConfig(**MIXTRAL, dtype="float64"), seed=2)
-    ours.save_hf(str(tmp_path))
-    load = lambda: transformers.MixtralForCausalLM.from_pretrained(  # noqa: E731  (eager: grouped_mm has no float64)
-        str(tmp_path), dtype=torch.float64, attn_implementation="sdpa", experts_implementation="eager").eval()
-    rng = np.random.default_rng(3)
-    idx, targets = rng.integers(0, 40, (3, 12)), rng.integers(0, 40, (3, 12))
-    np.testing.assert_allclose(ours(idx)[0].data, load()(torch.tensor(idx)).logits.detach().numpy(), rtol=0, atol=1e-4)
-    _float64_mixtral(monkeypatch)
-    theirs = load()
-    logits, loss = ours(idx, targets)
-    loss.backward()
-    out = theirs(torch.tensor(idx))
-    reference = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 40), torch.tensor(targets).reshape(-1))
-    reference.backward()
-    np.testing.assert_allclose(logits.data, out.logits.detach().numpy(), rtol=0, atol=1e-10)
-    assert abs(loss.item() - reference.item()) <= 1e-10
-    grads = {n: p.grad.numpy() for n, p in theirs.named_parameters() if p.grad is not None}
-    for name, p in ours.named_parameters():
-        if ".mlp." in name:
-            m = f"model.layers.{name.split('.')[2]}.mlp."
-            expected = {"router": lambda: grads[m + "gate.weight"].T,
-                        "c_fc": lambda: grads[m + "experts.gate_up_proj"].transpose(0, 2, 1),
-                        "c_proj": lambda: grads[m + "experts.down_proj"].transpose(0, 2, 1)}[name.split(".")[4]]()
-        else:
-            expected = _hf_grad(grads, name)
-        np.testing.assert_allclose(p.grad, expected, rtol=0, atol=1e-10, err_msg=name)
-    back = from_hf(str(tmp_path))
-    assert back.config.n_expert == 4 and back.config.router == "softmax-topk" and back.config.capacity_factor == 0
-    for name, value in ours.state_dict().items():
-        np.testing.assert_array_equal(back.state_dict()[name], value, err_msg=name)
-    prompt = np.array([[3, 1, 4, 1, 5]])
-    expected = theirs.generate(torch.tensor(prompt), max_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert ours.generate(prompt, max_new_tokens=4, top_k=1).tolist() == expected.tolist()
+    float64_steps(monkeypatch, mixtral.MixtralRMSNorm, mixtral.MixtralRotaryEmbedding, mixtral.MixtralTopKRouter)
 
 
 def test_a_moe_llama_that_routes_otherwise_has_no_mixtral_layout(tmp_path):
@@ -339,65 +268,63 @@ def _float64_qwen3(monkeypatch):
     """Qwen3-MoE's RMSNorms (the QK-norm's too), rotary tables and router softmax run in float32 in transformers."""
     from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen
 
-    def rms_norm(self, x):
-        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
-
-    def rotary(self, x, position_ids):
-        D = 2 * self.inv_freq.numel()
-        inv_freq = 1.0 / self.config.rope_parameters["rope_theta"] ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
-        freqs = position_ids[..., None].double() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-    def route(self, hidden_states):
-        logits = torch.nn.functional.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)
-        top, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
-        return logits, top / top.sum(dim=-1, keepdim=True) if self.norm_topk_prob else top, chosen
-
-    monkeypatch.setattr(qwen.Qwen3MoeRMSNorm, "forward", rms_norm)
-    monkeypatch.setattr(qwen.Qwen3MoeRotaryEmbedding, "forward", rotary)
-    monkeypatch.setattr(qwen.Qwen3MoeTopKRouter, "forward", route)
+    float64_steps(monkeypatch, qwen.Qwen3MoeRMSNorm, qwen.Qwen3MoeRotaryEmbedding, qwen.Qwen3MoeTopKRouter)
 
 
-def test_qwen3_moe_logits_loss_and_every_gradient(tmp_path, monkeypatch):
-    """A Qwen3-MoE — QK-norm, heads 6 wide on a 16-wide model, a dense first block, 8 fine-grained experts, gates
-    left unnormalized (norm_topk_prob false) — saves as Qwen3MoeForCausalLM: within 1e-4 of stock transformers, and
-    within 1e-10 (logits, loss, every gradient) once its float32 norms, rotary tables and router are float64;
-    loaded back bit for bit; greedy decoding equal."""
-    from minipar.models import from_hf
+def _moe_family(family):
+    """(minipar model, transformers class, the float64 patch) of a MoE family with a Hugging Face layout."""
+    from minipar.models.llama import Llama, LlamaConfig
     from minipar.models.qwen3 import Qwen3, Qwen3Config
 
-    ours = Qwen3(Qwen3Config(**QWEN3, dtype="float64"), seed=4)
+    if family == "mixtral":
+        return Llama(LlamaConfig(**MIXTRAL, dtype="float64"), seed=2), transformers.MixtralForCausalLM, _float64_mixtral
+    return Qwen3(Qwen3Config(**QWEN3, dtype="float64"), seed=4), transformers.Qwen3MoeForCausalLM, _float64_qwen3
+
+
+def _expert_grad(grads, name):
+    """transformers' gradient of a MoE layer's parameter (router (E, C); fused experts gate|up (E, 2I, C), down)."""
+    m = f"model.layers.{name.split('.')[2]}.mlp."
+    return {"router": lambda: grads[m + "gate.weight"].T,
+            "c_fc": lambda: grads[m + "experts.gate_up_proj"].transpose(0, 2, 1),
+            "c_proj": lambda: grads[m + "experts.down_proj"].transpose(0, 2, 1)}[name.split(".")[4]]()
+
+
+@pytest.mark.parametrize("family", ["qwen3", pytest.param("mixtral", marks=pytest.mark.slow)])
+def test_moe_checkpoints_logits_loss_and_every_gradient(tmp_path, monkeypatch, family):
+    """Mixtral (a MoE Llama routed as Mixtral: softmax over the 2 chosen, dropless; per-expert w1 | w3 | w2) and
+    Qwen3-MoE (QK-norm, heads 6 wide on a 16-wide model, a dense first block, 8 fine-grained experts, gates left
+    unnormalized) save as MixtralForCausalLM / Qwen3MoeForCausalLM: within 1e-4 of stock transformers, within 1e-10
+    — logits, loss, every gradient — once its float32 norms, rotary tables and router run in float64; loaded back
+    bit for bit; greedy decoding equal. (minipar's balancing loss is Switch's per layer, transformers' over all
+    layers' tokens at once: the comparison runs with aux_loss_coef 0.)"""
+    from minipar.models import from_hf
+
+    ours, cls, float64 = _moe_family(family)
     ours.save_hf(str(tmp_path))
-    load = lambda: transformers.Qwen3MoeForCausalLM.from_pretrained(  # noqa: E731
+    load = lambda: cls.from_pretrained(  # noqa: E731  (eager experts: grouped_mm has no float64)
         str(tmp_path), dtype=torch.float64, attn_implementation="sdpa", experts_implementation="eager").eval()
-    rng = np.random.default_rng(5)
-    idx, targets = rng.integers(0, 40, (3, 12)), rng.integers(0, 40, (3, 12))
+    cfg = {"vocab_size": 40, "block_size": 12}
+    idx = np.random.default_rng(3).integers(0, 40, (3, 12))
     np.testing.assert_allclose(ours(idx)[0].data, load()(torch.tensor(idx)).logits.detach().numpy(), rtol=0, atol=1e-4)
-    _float64_qwen3(monkeypatch)
+    float64(monkeypatch)
     theirs = load()
-    logits, loss = ours(idx, targets)
-    loss.backward()
-    out = theirs(torch.tensor(idx))
-    reference = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 40), torch.tensor(targets).reshape(-1))
-    reference.backward()
-    np.testing.assert_allclose(logits.data, out.logits.detach().numpy(), rtol=0, atol=1e-10)
-    assert abs(loss.item() - reference.item()) <= 1e-10
-    grads = {n: p.grad.numpy() for n, p in theirs.named_parameters() if p.grad is not None}
+    logits, loss, ref_logits, ref_loss, grads = _logits_loss_grads(ours, theirs, cfg, seed=5)
+    np.testing.assert_allclose(logits, ref_logits, rtol=0, atol=1e-10)
+    assert abs(loss - ref_loss) <= 1e-10
     for name, p in ours.named_parameters():
-        p_ = f"model.layers.{name.split('.')[2]}." if name.startswith("transformer.h.") else ""
-        part = name.split(".")[4] if name.count(".") >= 5 else None
+        layer = int(name.split(".")[2]) if name.startswith("transformer.h.") else None
         if name.endswith(("attn.q_norm.weight", "attn.k_norm.weight")):
-            expected = grads[p_ + "self_attn." + name.split(".")[4] + ".weight"]
-        elif ".mlp." in name and int(name.split(".")[2]) >= 1:
-            expected = {"router": lambda: grads[p_ + "mlp.gate.weight"].T,
-                        "c_fc": lambda: grads[p_ + "mlp.experts.gate_up_proj"].transpose(0, 2, 1),
-                        "c_proj": lambda: grads[p_ + "mlp.experts.down_proj"].transpose(0, 2, 1)}[part]()
+            expected = grads[f"model.layers.{layer}.self_attn.{name.split('.')[4]}.weight"]
+        elif ".mlp." in name and layer >= ours.config.first_dense_layers:
+            expected = _expert_grad(grads, name)
         else:
             expected = _hf_grad(grads, name)
         np.testing.assert_allclose(p.grad, expected, rtol=0, atol=1e-10, err_msg=name)
     back = from_hf(str(tmp_path))
-    assert (back.config.head_dim, back.config.first_dense_layers, back.config.norm_topk_prob) == (6, 1, False)
+    assert (back.config.n_expert, back.config.router, back.config.capacity_factor) == (
+        ours.config.n_expert, "softmax-topk", 0)
+    assert (back.config.head_dim, back.config.first_dense_layers, back.config.norm_topk_prob) == (
+        ours.config.head_dim, ours.config.first_dense_layers, ours.config.norm_topk_prob)
     for name, value in ours.state_dict().items():
         np.testing.assert_array_equal(back.state_dict()[name], value, err_msg=name)
     prompt = np.array([[3, 1, 4, 1, 5]])

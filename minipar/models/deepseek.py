@@ -50,7 +50,8 @@ from minipar.autograd import Tensor
 from minipar.backend import to_device, xp
 from minipar.data import save_tokenizer
 from minipar.models.gpt import read_hf_config
-from minipar.models.llama import Llama, LlamaBlock, LlamaConfig, LlamaTransformer, RotaryAttention
+from minipar.models.llama import (Llama, LlamaBlock, LlamaConfig, LlamaTransformer, RotaryAttention,
+                                  embeddings_from_hf, embeddings_to_hf, refuse_leftovers)
 from minipar.models.moe import stack_experts, unstack_experts
 from minipar.nn import Embedding, Linear, Module, ModuleList, RMSNorm
 from minipar.safetensors_io import (DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, stored_dtypes,
@@ -379,13 +380,7 @@ class DeepSeek(Llama):
         its MTP modules under DeepSeek's names."""
         cfg, interleaved = hf_deepseek_config(directory, dtype)
         hf = read_hf_weights(directory)
-        state = {"transformer.wte.weight": hf.pop("model.embed_tokens.weight"),
-                 "transformer.ln_f.weight": hf.pop("model.norm.weight")}
-        head = hf.pop("lm_head.weight", None)
-        if not cfg.tie_word_embeddings:
-            if head is None:
-                raise ValueError(f"{directory}: tie_word_embeddings is false but there is no lm_head.weight")
-            state["lm_head.weight"] = head
+        state = embeddings_from_hf(hf, cfg, directory)
         for i in range(cfg.n_layer):
             state.update(_block_from_hf(hf, f"model.layers.{i}.", f"transformer.h.{i}.", cfg, interleaved,
                                         moe=bool(cfg.n_expert) and i >= cfg.first_dense_layers))
@@ -397,10 +392,7 @@ class DeepSeek(Llama):
             for shared in ("embed_tokens.weight", "shared_head.head.weight"):  # copies of the main model's
                 hf.pop(p + shared, None)
             state.update(_block_from_hf(hf, p, m + "block.", cfg, interleaved))
-        rest = sorted(k for k in hf if not k.endswith("rotary_emb.inv_freq"))
-        if rest:
-            raise ValueError(f"{directory}: weight {rest[0]!r} is not part of a DeepSeek model minipar implements "
-                             f"(mtp_depth {cfg.mtp_depth})")
+        refuse_leftovers(hf, directory, "a DeepSeek model")
         model = cls(cfg)
         model.load_state_dict({name: np.ascontiguousarray(value) for name, value in state.items()})
         return model
@@ -415,10 +407,7 @@ class DeepSeek(Llama):
             raise ValueError(f"DeepseekV3ForCausalLM routes by sigmoid: a DeepSeek with --router {cfg.router} has no "
                              "Hugging Face layout (save it with --save)")
         state = {**(state if state is not None else self.state_dict()), **self.buffer_state()}
-        hf = {"model.embed_tokens.weight": state["transformer.wte.weight"],
-              "model.norm.weight": state["transformer.ln_f.weight"]}
-        if not cfg.tie_word_embeddings:
-            hf["lm_head.weight"] = state["lm_head.weight"]
+        hf = embeddings_to_hf(state, cfg)
         for i in range(cfg.n_layer):
             hf.update(_block_to_hf(state, f"transformer.h.{i}.", f"model.layers.{i}.", cfg,
                                    moe=bool(cfg.n_expert) and i >= cfg.first_dense_layers))

@@ -187,8 +187,7 @@ class Llama(GPT):
         """Load a directory written by transformers (``LlamaForCausalLM.save_pretrained``) or :meth:`save_hf`."""
         cfg = hf_llama_config(directory, dtype)
         hf = read_hf_weights(directory)
-        state = {"transformer.wte.weight": hf.pop("model.embed_tokens.weight"),
-                 "transformer.ln_f.weight": hf.pop("model.norm.weight")}
+        state = embeddings_from_hf(hf, cfg, directory)
         for i in range(cfg.n_layer):
             h, p = f"transformer.h.{i}.", f"model.layers.{i}."
             state[h + "ln_1.weight"] = hf.pop(p + "input_layernorm.weight")
@@ -204,14 +203,7 @@ class Llama(GPT):
                 state[h + "mlp.c_fc.weight"] = np.concatenate([hf.pop(f"{p}mlp.{n}_proj.weight").T
                                                               for n in ("gate", "up")], 1)
                 state[h + "mlp.c_proj.weight"] = hf.pop(p + "mlp.down_proj.weight").T
-        head = hf.pop("lm_head.weight", None)
-        if not cfg.tie_word_embeddings:
-            if head is None:
-                raise ValueError(f"{directory}: tie_word_embeddings is false but there is no lm_head.weight")
-            state["lm_head.weight"] = head
-        rest = sorted(k for k in hf if not k.endswith("rotary_emb.inv_freq"))  # older checkpoints stored the table
-        if rest:
-            raise ValueError(f"{directory}: weight {rest[0]!r} is not part of a Llama minipar implements")
+        refuse_leftovers(hf, directory, "a Llama")
         model = cls(cfg)
         model.load_state_dict({name: np.ascontiguousarray(value) for name, value in state.items()})
         return model
@@ -227,8 +219,7 @@ class Llama(GPT):
                              "or dense first layers, experts as wide as --n-inner: save it with --save instead")
         state = state if state is not None else self.state_dict()
         H, K, D, C = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.n_embd
-        hf = {"model.embed_tokens.weight": state["transformer.wte.weight"],
-              "model.norm.weight": state["transformer.ln_f.weight"]}
+        hf = embeddings_to_hf(state, cfg)
         for i in range(cfg.n_layer):
             h, p = f"transformer.h.{i}.", f"model.layers.{i}."
             hf[p + "input_layernorm.weight"] = state[h + "ln_1.weight"]
@@ -246,8 +237,6 @@ class Llama(GPT):
             gate, up = np.split(state[h + "mlp.c_fc.weight"], 2, axis=1)
             hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate.T, up.T
             hf[p + "mlp.down_proj.weight"] = state[h + "mlp.c_proj.weight"].T
-        if not cfg.tie_word_embeddings:
-            hf["lm_head.weight"] = state["lm_head.weight"]
         os.makedirs(directory, exist_ok=True)
         end_of_text = save_tokenizer(directory, cfg.vocab_size, cfg.block_size, tokenizer)
         moe = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": cfg.n_expert,
@@ -277,6 +266,31 @@ class Llama(GPT):
 _IMPLEMENTED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_parameters",
                 "rope_scaling", "tie_word_embeddings", "head_dim", "dtype", "torch_dtype"}
+def embeddings_from_hf(hf: dict[str, np.ndarray], cfg: LlamaConfig, directory: str) -> dict[str, np.ndarray]:
+    """The token table, the final norm and (untied) the head of a Llama-family checkpoint, taken out of ``hf``."""
+    state = {"transformer.wte.weight": hf.pop("model.embed_tokens.weight"),
+             "transformer.ln_f.weight": hf.pop("model.norm.weight")}
+    head = hf.pop("lm_head.weight", None)
+    if not cfg.tie_word_embeddings:
+        if head is None:
+            raise ValueError(f"{directory}: tie_word_embeddings is false but there is no lm_head.weight")
+        state["lm_head.weight"] = head
+    return state
+
+
+def embeddings_to_hf(state: dict[str, np.ndarray], cfg: LlamaConfig) -> dict[str, np.ndarray]:
+    """The inverse of :func:`embeddings_from_hf`."""
+    hf = {"model.embed_tokens.weight": state["transformer.wte.weight"], "model.norm.weight": state["transformer.ln_f.weight"]}
+    return {**hf, "lm_head.weight": state["lm_head.weight"]} if not cfg.tie_word_embeddings else hf
+
+
+def refuse_leftovers(hf: dict[str, np.ndarray], directory: str, what: str) -> None:
+    """One line for the first weight a loader did not take (older checkpoints' stored rotary tables aside)."""
+    rest = sorted(k for k in hf if not k.endswith("rotary_emb.inv_freq"))
+    if rest:
+        raise ValueError(f"{directory}: weight {rest[0]!r} is not part of {what} minipar implements")
+
+
 def mixtral_compatible(cfg: LlamaConfig) -> bool:
     """Whether a MoE Llama computes what MixtralForCausalLM computes (models/moe.py's softmax-topk, dropless)."""
     return (cfg.capacity_factor == 0 and cfg.expert_top_k >= 2 and cfg.n_shared_expert == 0

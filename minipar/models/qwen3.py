@@ -25,7 +25,8 @@ from minipar import ops
 from minipar.autograd import Tensor
 from minipar.data import save_tokenizer
 from minipar.models.gpt import read_hf_config
-from minipar.models.llama import Llama, LlamaBlock, LlamaConfig, LlamaTransformer, RotaryAttention
+from minipar.models.llama import (Llama, LlamaBlock, LlamaConfig, LlamaTransformer, RotaryAttention,
+                                  embeddings_from_hf, embeddings_to_hf, refuse_leftovers)
 from minipar.models.moe import stack_experts, unstack_experts
 from minipar.nn import RMSNorm
 from minipar.safetensors_io import (DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, stored_dtypes,
@@ -84,13 +85,7 @@ class Qwen3(Llama):
         """Load a ``Qwen3ForCausalLM`` or ``Qwen3MoeForCausalLM`` directory."""
         cfg = hf_qwen3_config(directory, dtype)
         hf = read_hf_weights(directory)
-        state = {"transformer.wte.weight": hf.pop("model.embed_tokens.weight"),
-                 "transformer.ln_f.weight": hf.pop("model.norm.weight")}
-        head = hf.pop("lm_head.weight", None)
-        if not cfg.tie_word_embeddings:
-            if head is None:
-                raise ValueError(f"{directory}: tie_word_embeddings is false but there is no lm_head.weight")
-            state["lm_head.weight"] = head
+        state = embeddings_from_hf(hf, cfg, directory)
         for i in range(cfg.n_layer):
             h, p = f"transformer.h.{i}.", f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
@@ -108,9 +103,7 @@ class Qwen3(Llama):
             else:
                 state[h + "mlp.c_fc.weight"] = np.concatenate([hf.pop(f"{m}{n}_proj.weight").T for n in ("gate", "up")], 1)
                 state[h + "mlp.c_proj.weight"] = hf.pop(m + "down_proj.weight").T
-        rest = sorted(k for k in hf if not k.endswith("rotary_emb.inv_freq"))
-        if rest:
-            raise ValueError(f"{directory}: weight {rest[0]!r} is not part of a Qwen3 minipar implements")
+        refuse_leftovers(hf, directory, "a Qwen3")
         model = cls(cfg)
         model.load_state_dict({name: np.ascontiguousarray(value) for name, value in state.items()})
         return model
@@ -123,10 +116,7 @@ class Qwen3(Llama):
             raise ValueError("Qwen3MoeForCausalLM routes by softmax-topk without dropping or shared experts: save "
                              "this mixture of experts with --save")
         state = state if state is not None else self.state_dict()
-        hf = {"model.embed_tokens.weight": state["transformer.wte.weight"],
-              "model.norm.weight": state["transformer.ln_f.weight"]}
-        if not cfg.tie_word_embeddings:
-            hf["lm_head.weight"] = state["lm_head.weight"]
+        hf = embeddings_to_hf(state, cfg)
         H, K, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
         for i in range(cfg.n_layer):
             h, p = f"transformer.h.{i}.", f"model.layers.{i}."
