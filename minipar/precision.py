@@ -56,7 +56,7 @@ import ml_dtypes
 import numpy as np
 
 from minipar.autograd import Context, Function, Tensor
-from minipar.backend import to_device, to_host, xp
+from minipar.backend import to_device, to_host
 
 
 @dataclasses.dataclass(frozen=True)

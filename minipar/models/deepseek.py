@@ -49,13 +49,12 @@ from minipar import ops
 from minipar.autograd import Tensor
 from minipar.backend import to_device, xp
 from minipar.data import save_tokenizer
-from minipar.models.gpt import read_hf_config
+from minipar.models.gpt import hf_dtype, hf_rope_theta, read_hf_config, refuse_unknown, refuse_values, require_fields
 from minipar.models.llama import (Llama, LlamaBlock, LlamaConfig, LlamaTransformer, RotaryAttention,
-                                  embeddings_from_hf, embeddings_to_hf, refuse_leftovers)
+                                  LLAMA_REQUIRED, embeddings_from_hf, embeddings_to_hf, refuse_leftovers)
 from minipar.models.moe import stack_experts, unstack_experts
 from minipar.nn import Embedding, Linear, Module, ModuleList, RMSNorm
-from minipar.safetensors_io import (DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, stored_dtypes,
-                                    write_hf_weights)
+from minipar.safetensors_io import DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, write_hf_weights
 
 LATENT_NORM_EPS = 1e-6  # the latents' RMSNorms (transformers' q_a_layernorm, kv_a_layernorm: the class default)
 
@@ -549,25 +548,13 @@ _NO_EFFECT = {"attention_dropout", "initializer_range", "use_cache", "bos_token_
 def hf_deepseek_config(directory: str, dtype: str | None = None) -> tuple[DeepSeekConfig, bool]:
     """(the DeepSeekConfig of a Hugging Face ``deepseek_v3`` directory, whether its RoPE pairs are interleaved):
     every field implemented or refused in one line."""
-    from minipar.models.gpt import _HF_GENERIC
-
     path, hf = read_hf_config(directory)
-    for field, (accepted, why) in _REQUIRED_VALUE.items():
-        value = hf.get(field, accepted[0])
-        if value not in accepted:
-            raise ValueError(f"{path}: {field}={value!r} is unsupported ({why})")
+    refuse_values(path, hf, _REQUIRED_VALUE)
     if "quantization_config" in hf:
         raise ValueError(f"{path}: quantization_config is unsupported (DeepSeek's released FP8 weights: dequantize "
                          "them to bf16 first)")
-    unknown = sorted(set(hf) - _IMPLEMENTED - set(_REQUIRED_VALUE) - _MOE_FIELDS - _NO_EFFECT - _HF_GENERIC)
-    if unknown:
-        raise ValueError(f"{path}: config field {unknown[0]!r} is not a DeepSeek-V3 field minipar implements; "
-                         "refusing to guess what it changes")
-    missing = [f for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads", "max_position_embeddings", "kv_lora_rank", "qk_nope_head_dim",
-                           "qk_rope_head_dim", "v_head_dim") if f not in hf]
-    if missing:
-        raise ValueError(f"{path}: missing required field {missing[0]!r}")
+    refuse_unknown(path, hf, _IMPLEMENTED | set(_REQUIRED_VALUE) | _MOE_FIELDS | _NO_EFFECT, "DeepSeek-V3")
+    require_fields(path, hf, (*LLAMA_REQUIRED, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
     L, H = hf["num_hidden_layers"], hf["num_attention_heads"]
     dense = hf.get("first_k_dense_replace", 3)
     for field, accepted, why in (("moe_layer_freq", 1, "every layer after the dense ones is a MoE layer"),
@@ -578,25 +565,18 @@ def hf_deepseek_config(directory: str, dtype: str | None = None) -> tuple[DeepSe
     if hf.get("num_key_value_heads", H) not in (None, H):
         raise ValueError(f"{path}: num_key_value_heads={hf['num_key_value_heads']} != num_attention_heads={H} is "
                          "unsupported (multi-head latent attention: every head its own key and value)")
-    for key in ("rope_parameters", "rope_scaling"):
-        kind = (hf.get(key) or {}).get("rope_type", (hf.get(key) or {}).get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"{path}: {key} rope_type={kind!r} is unsupported (minipar implements the default RoPE; "
-                             "YaRN's rotary tables and its mscale on the softmax scale are not built)")
-    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
-    stored = hf.get("minipar", {}).get("dtype") or hf.get("dtype") or hf.get("torch_dtype")
-    if stored is None and stored_dtypes(directory) == {"F64"}:
-        stored = "float64"
+    theta = hf_rope_theta(path, hf, "minipar implements the default RoPE; YaRN's rotary tables and its mscale on "
+                                    "the softmax scale are not built")
     mtp = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0
     cfg = DeepSeekConfig(vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"], n_layer=L, n_head=H,
                          n_embd=hf["hidden_size"], n_inner=hf["intermediate_size"],
-                         layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+                         layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
                          tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
                          q_lora_rank=hf.get("q_lora_rank") or 0, kv_lora_rank=hf["kv_lora_rank"],
                          qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
                          v_head_dim=hf["v_head_dim"], mtp_depth=mtp, **_hf_moe_fields(hf, dense < L),
                          mtp_weight=hf.get("minipar", {}).get("mtp_weight", 0.3),
-                         dtype=dtype or ("float64" if stored == "float64" else "float32"))
+                         dtype=hf_dtype(directory, hf, dtype))
     return cfg, bool(hf.get("rope_interleave", True))
 
 

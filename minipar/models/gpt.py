@@ -214,6 +214,7 @@ class Block(Module):
         self.mlp = MoEMLP.for_config(cfg) if cfg.n_expert and layer >= cfg.first_dense_layers else self.DenseMLP(cfg)
 
     recompute = False  # full recomputation: keep only the block's input, run it again in backward
+    keeps_fp8_inputs = False  # set_fp8 with a one-scale recipe: the Linears keep codes, not inputs (precision.py)
 
     def projections(self) -> list[Module]:
         """The attention's and a dense MLP's Linears (or their tensor-parallel slices): what FP8 computes in FP8 —
@@ -225,7 +226,8 @@ class Block(Module):
     def forward(self, x: Tensor) -> Tensor:
         if not self.recompute:
             y = self.body(x)
-            release_unread(y, x)  # FP8 Linears' inputs: they keep their FP8 codes (precision.py)
+            if self.keeps_fp8_inputs:  # its FP8 Linears keep their inputs' codes: give the arrays back
+                release_unread(y, x)
             return y
         side = getattr(self.mlp, "aux_loss", False) is not False  # a MoE layer: its balancing loss rides along
         y = ops.recompute(self.body, x, (lambda: self.mlp.aux_loss) if side else None)
@@ -296,6 +298,7 @@ class GPT(Module):
         for _, block in self.named_blocks():
             for linear in block.projections():
                 linear.fp8 = recipe
+            block.keeps_fp8_inputs = recipe.one_scale
         return self
 
     def _init_weights(self, seed: int) -> None:
@@ -470,37 +473,65 @@ def read_hf_config(directory: str) -> tuple[str, dict[str, Any]]:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
+def refuse_values(path: str, hf: dict[str, Any], required: dict[str, tuple[tuple, str]]) -> None:
+    """One line for the first field whose value is not one minipar computes (``required``: field -> (accepted
+    values, what minipar implements instead); an absent field takes the first accepted value)."""
+    for field, (accepted, why) in required.items():
+        value = hf.get(field, accepted[0])
+        if value not in accepted:
+            raise ValueError(f"{path}: {field}={value!r} is unsupported ({why})")
+
+
+def refuse_unknown(path: str, hf: dict[str, Any], known: set[str], family: str) -> None:
+    """One line for the first field that is neither ``known`` (implemented, value-checked or without effect) nor one
+    of transformers' generic keys: minipar refuses to guess what it changes."""
+    unknown = sorted(set(hf) - known - _HF_GENERIC)
+    if unknown:
+        raise ValueError(f"{path}: config field {unknown[0]!r} is not a {family} field minipar implements; refusing to "
+                         "guess what it changes")
+
+
+def require_fields(path: str, hf: dict[str, Any], names: tuple[str, ...]) -> None:
+    missing = [name for name in names if name not in hf]
+    if missing:
+        raise ValueError(f"{path}: missing required field {missing[0]!r}")
+
+
+def hf_rope_theta(path: str, hf: dict[str, Any], instead: str) -> float:
+    """θ of the default RoPE (transformers 5's rope_parameters, or earlier rope_theta); another rope_type refused,
+    saying what minipar implements ``instead``."""
+    for key in ("rope_parameters", "rope_scaling"):  # transformers 5 / earlier
+        kind = (hf.get(key) or {}).get("rope_type", (hf.get(key) or {}).get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{path}: {key} rope_type={kind!r} is unsupported ({instead})")
+    return float((hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def hf_dtype(directory: str, hf: dict[str, Any], dtype: str | None) -> str:
+    """The dtype a checkpoint loads in: ``dtype`` if asked, else as stored — minipar's own record, ``dtype``
+    (transformers 5) or ``torch_dtype`` (earlier), without any the weights' safetensors headers: float64 stays
+    float64, anything else loads as float32 (float16/bfloat16 weights are widened)."""
+    stored = hf.get("minipar", {}).get("dtype") or hf.get("dtype") or hf.get("torch_dtype")
+    if stored is None and stored_dtypes(directory) == {"F64"}:
+        stored = "float64"
+    return dtype or ("float64" if stored == "float64" else "float32")
+
+
 def _hf_ties_embeddings(directory: str) -> bool:
     return bool(read_hf_config(directory)[1].get("tie_word_embeddings", True))
 
 
 def hf_config(directory: str, dtype: str | None = None) -> GPTConfig:
-    """The GPTConfig of a Hugging Face GPT-2 checkpoint directory: every field implemented or refused.
-
-    The stored dtype is ``dtype`` (transformers 5) or ``torch_dtype`` (earlier) — without either, the weights'
-    own safetensors headers: float64 stays float64, anything else loads as float32 (float16/bfloat16 weights
-    are widened).
-    """
+    """The GPTConfig of a Hugging Face GPT-2 checkpoint directory: every field implemented or refused; the dtype
+    as stored (:func:`hf_dtype`)."""
     path, hf = read_hf_config(directory)
-    for field, (accepted, why) in _HF_REQUIRED_VALUE.items():
-        value = hf.get(field, accepted[0])
-        if value not in accepted:
-            raise ValueError(f"{path}: {field}={value!r} is unsupported ({why})")
+    refuse_values(path, hf, _HF_REQUIRED_VALUE)
     n_inner = hf.get("n_inner")
     if n_inner not in (None, 4 * hf.get("n_embd", 0)):
         raise ValueError(f"{path}: n_inner={n_inner} is unsupported (minipar's MLP is 4·n_embd wide)")
-    unknown = sorted(set(hf) - _HF_IMPLEMENTED - set(_HF_REQUIRED_VALUE) - _HF_NO_EFFECT - _HF_GENERIC - {"n_inner"})
-    if unknown:
-        raise ValueError(f"{path}: config field {unknown[0]!r} is not a GPT-2 field minipar knows; refusing to "
-                         "guess what it changes")
-    missing = [f for f in ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head") if f not in hf]
-    if missing:
-        raise ValueError(f"{path}: missing required field {missing[0]!r}")
-    stored = hf.get("minipar", {}).get("dtype") or hf.get("dtype") or hf.get("torch_dtype")
-    if stored is None and stored_dtypes(directory) == {"F64"}:  # no dtype key: the weights' own headers say
-        stored = "float64"
+    refuse_unknown(path, hf, _HF_IMPLEMENTED | set(_HF_REQUIRED_VALUE) | _HF_NO_EFFECT | {"n_inner"}, "GPT-2")
+    require_fields(path, hf, ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head"))
     return GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
                      n_head=hf["n_head"], n_embd=hf["n_embd"], layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-                     dtype=dtype or ("float64" if stored == "float64" else "float32"),
-                     scale_attn_weights=bool(hf.get("scale_attn_weights", True)),
+                     dtype=hf_dtype(directory, hf, dtype), scale_attn_weights=bool(hf.get("scale_attn_weights", True)),
                      scale_attn_by_inverse_layer_idx=bool(hf.get("scale_attn_by_inverse_layer_idx", False)))

@@ -35,11 +35,11 @@ from minipar import ops
 from minipar.autograd import Tensor
 from minipar.backend import xp
 from minipar.data import save_tokenizer
-from minipar.models.gpt import GPT, Block, CausalSelfAttention, GPTConfig, read_hf_config
+from minipar.models.gpt import (GPT, Block, CausalSelfAttention, GPTConfig, hf_dtype, hf_rope_theta, read_hf_config,
+                                refuse_unknown, refuse_values, require_fields)
 from minipar.models.moe import stack_experts, unstack_experts
 from minipar.nn import Embedding, Linear, Module, ModuleList, RMSNorm
-from minipar.safetensors_io import (DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, stored_dtypes,
-                                    write_hf_weights)
+from minipar.safetensors_io import DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, write_hf_weights
 
 
 def llama_inner(n_embd: int, multiple_of: int = 256) -> int:
@@ -312,49 +312,37 @@ _MIXTRAL = {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", 
             "sliding_window"}  # Mixtral's fields (model_type "mixtral")
 
 
+LLAMA_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "max_position_embeddings")  # fields every Llama-family config.json has
+
+
+def router_aux_loss_coef(hf: dict[str, Any]) -> float:
+    """Mixtral's and Qwen3-MoE's balancing loss weight: counted only with output_router_logits, as in transformers."""
+    return float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0
+
+
 def hf_llama_config(directory: str, dtype: str | None = None) -> LlamaConfig:
     """The LlamaConfig of a Hugging Face Llama directory: every field implemented or refused in one line."""
-    from minipar.models.gpt import _HF_GENERIC  # transformers' generic keys, shared with GPT-2's loader
-
     path, hf = read_hf_config(directory)
-    for field, (accepted, why) in _REQUIRED_VALUE.items():
-        value = hf.get(field, accepted[0])
-        if value not in accepted:
-            raise ValueError(f"{path}: {field}={value!r} is unsupported ({why})")
+    refuse_values(path, hf, _REQUIRED_VALUE)
     mixtral = hf.get("model_type") == "mixtral"
-    unknown = sorted(set(hf) - _IMPLEMENTED - set(_REQUIRED_VALUE) - _NO_EFFECT - _HF_GENERIC
-                     - (_MIXTRAL if mixtral else set()))
-    if unknown:
-        raise ValueError(f"{path}: config field {unknown[0]!r} is not a Llama field minipar implements; refusing to "
-                         "guess what it changes")
-    for key in ("rope_parameters", "rope_scaling"):  # transformers 5 / earlier
-        kind = (hf.get(key) or {}).get("rope_type", (hf.get(key) or {}).get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"{path}: {key} rope_type={kind!r} is unsupported (minipar implements the default RoPE, "
-                             "no scaling)")
-    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
-    missing = [f for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads", "max_position_embeddings") if f not in hf]
-    if missing:
-        raise ValueError(f"{path}: missing required field {missing[0]!r}")
+    refuse_unknown(path, hf, _IMPLEMENTED | set(_REQUIRED_VALUE) | _NO_EFFECT | (_MIXTRAL if mixtral else set()), "Llama")
+    theta = hf_rope_theta(path, hf, "minipar implements the default RoPE, no scaling")
+    require_fields(path, hf, LLAMA_REQUIRED)
     C, H = hf["hidden_size"], hf["num_attention_heads"]
     if (hf.get("head_dim") or C // H) != C // H:
         raise ValueError(f"{path}: head_dim={hf['head_dim']} is unsupported (minipar's heads are hidden_size / "
                          f"num_attention_heads = {C // H} wide)")
-    stored = hf.get("minipar", {}).get("dtype") or hf.get("dtype") or hf.get("torch_dtype")
-    if stored is None and stored_dtypes(directory) == {"F64"}:
-        stored = "float64"
     moe = {}
     if mixtral:  # dropless softmax-topk routing; its balance loss counted only with output_router_logits, as there
         if hf.get("sliding_window") not in (None, 0) and hf["sliding_window"] < hf["max_position_embeddings"]:
             raise ValueError(f"{path}: sliding_window={hf['sliding_window']} is unsupported (minipar's attention "
                              "sees the whole context)")
         moe = dict(n_expert=hf.get("num_local_experts", 8), expert_top_k=hf.get("num_experts_per_tok", 2),
-                   router="softmax-topk", capacity_factor=0.0,
-                   aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0)
+                   router="softmax-topk", capacity_factor=0.0, aux_loss_coef=router_aux_loss_coef(hf))
     return LlamaConfig(**moe, vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"],
                        n_layer=hf["num_hidden_layers"], n_head=H, n_embd=C,
                        n_kv_head=hf.get("num_key_value_heads") or H, n_inner=hf["intermediate_size"],
-                       layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
+                       layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
                        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                       dtype=dtype or ("float64" if stored == "float64" else "float32"))
+                       dtype=hf_dtype(directory, hf, dtype))

@@ -17,20 +17,18 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import numpy as np
 
-from minipar import ops
 from minipar.autograd import Tensor
 from minipar.data import save_tokenizer
-from minipar.models.gpt import read_hf_config
+from minipar.models.gpt import hf_dtype, hf_rope_theta, read_hf_config, refuse_unknown, refuse_values, require_fields
 from minipar.models.llama import (Llama, LlamaBlock, LlamaConfig, LlamaTransformer, RotaryAttention,
-                                  embeddings_from_hf, embeddings_to_hf, refuse_leftovers)
+                                  LLAMA_REQUIRED, embeddings_from_hf, embeddings_to_hf, refuse_leftovers,
+                                  router_aux_loss_coef)
 from minipar.models.moe import stack_experts, unstack_experts
 from minipar.nn import RMSNorm
-from minipar.safetensors_io import (DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, stored_dtypes,
-                                    write_hf_weights)
+from minipar.safetensors_io import DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, write_hf_weights
 
 
 @dataclass
@@ -177,21 +175,11 @@ _NO_EFFECT = {"attention_dropout", "initializer_range", "use_cache", "bos_token_
 
 def hf_qwen3_config(directory: str, dtype: str | None = None) -> Qwen3Config:
     """The Qwen3Config of a Hugging Face ``qwen3`` / ``qwen3_moe`` directory: every field implemented or refused."""
-    from minipar.models.gpt import _HF_GENERIC
-
     path, hf = read_hf_config(directory)
-    for field, (accepted, why) in _REQUIRED_VALUE.items():
-        value = hf.get(field, accepted[0])
-        if value not in accepted:
-            raise ValueError(f"{path}: {field}={value!r} is unsupported ({why})")
-    unknown = sorted(set(hf) - _IMPLEMENTED - set(_REQUIRED_VALUE) - _NO_EFFECT - _HF_GENERIC)
-    if unknown:
-        raise ValueError(f"{path}: config field {unknown[0]!r} is not a Qwen3 field minipar implements; refusing to "
-                         "guess what it changes")
-    for key in ("rope_parameters", "rope_scaling"):
-        kind = (hf.get(key) or {}).get("rope_type", (hf.get(key) or {}).get("type", "default"))
-        if kind != "default":
-            raise ValueError(f"{path}: {key} rope_type={kind!r} is unsupported (minipar implements the default RoPE)")
+    refuse_values(path, hf, _REQUIRED_VALUE)
+    refuse_unknown(path, hf, _IMPLEMENTED | set(_REQUIRED_VALUE) | _NO_EFFECT, "Qwen3")
+    theta = hf_rope_theta(path, hf, "minipar implements the default RoPE")
+    require_fields(path, hf, LLAMA_REQUIRED)
     L = hf["num_hidden_layers"]
     moe = {}
     experts = hf.get("num_experts", hf.get("num_local_experts", 0))  # transformers 5 writes the latter
@@ -203,15 +191,10 @@ def hf_qwen3_config(directory: str, dtype: str | None = None) -> Qwen3Config:
         moe = dict(n_expert=experts, expert_top_k=hf.get("num_experts_per_tok", 8),
                    moe_inner=hf["moe_intermediate_size"], first_dense_layers=len(dense), router="softmax-topk",
                    norm_topk_prob=bool(hf.get("norm_topk_prob", False)), capacity_factor=0.0,
-                   aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)) if hf.get("output_router_logits") else 0.0)
-    theta = (hf.get("rope_parameters") or {}).get("rope_theta", hf.get("rope_theta", 10000.0))
-    stored = hf.get("minipar", {}).get("dtype") or hf.get("dtype") or hf.get("torch_dtype")
-    if stored is None and stored_dtypes(directory) == {"F64"}:
-        stored = "float64"
+                   aux_loss_coef=router_aux_loss_coef(hf))
     C, H = hf["hidden_size"], hf["num_attention_heads"]
     return Qwen3Config(**moe, vocab_size=hf["vocab_size"], block_size=hf["max_position_embeddings"], n_layer=L,
                        n_head=H, n_embd=C, n_kv_head=hf.get("num_key_value_heads") or H,
                        n_inner=hf["intermediate_size"], n_head_dim=hf.get("head_dim") or 0,
-                       layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-                       dtype=dtype or ("float64" if stored == "float64" else "float32"))
+                       layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), rope_theta=theta,
+                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)), dtype=hf_dtype(directory, hf, dtype))
