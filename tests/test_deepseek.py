@@ -329,6 +329,9 @@ MTP = ["--mtp-depth", "2"]
 # (ranks, flags, flags the one-process reference shares, its microbatches)
 LAYOUTS = {
     "tp2 MTP": (2, ["--tp", "2", *MTP], MTP, 1),
+    "dp3 zero3 MTP, batch 6": (3, ["--dp", "3", "--zero", "3", "--batch-size", "6", *MTP], ["--batch-size", "6", *MTP], 3),
+    "tp3 sp, 3 heads": (3, ["--tp", "3", "--sp", "--n-head", "3", "--n-embd", "18", "--block-size", "18"],
+                        ["--n-head", "3", "--n-embd", "18", "--block-size", "18"], 1),
     "dp2 zero3 MTP": (2, ["--dp", "2", "--zero", "3", *MTP], MTP, 2),
     "tp2 sp": (2, ["--tp", "2", "--sp"], [], 1),
     "tp4 sp, no query latent": (4, ["--tp", "4", "--sp", "--q-lora-rank", "0"], ["--q-lora-rank", "0"], 1),

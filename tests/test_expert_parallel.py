@@ -308,6 +308,9 @@ QWEN3_MOE = ["--n-inner", "24", "--n-head-dim", "6", "--router", "softmax-topk",
 # (ranks, the layout's flags, the model's) — the one-process reference runs dp·m microbatches
 TODAYS = {
     "dp2 ep2 deepseek": (2, ["--dp", "2", "--ep", "2"], ["--arch", "deepseek", *DEEPSEEK_MOE]),
+    "dp3 ep3 deepseek, 6 experts in 3 groups": (3, ["--dp", "3", "--ep", "3"],
+                                                ["--arch", "deepseek", *DEEPSEEK_MOE, "--n-expert", "6",
+                                                 "--expert-groups", "3", "--batch-size", "6"]),
     "dp2 zero3 mixtral": (2, ["--dp", "2", "--zero", "3"], ["--arch", "llama", "--n-inner", "24", "--router", "softmax-topk"]),
     "dp4 ep2 hsdp qwen3": (4, ["--dp", "4", "--ep", "2", "--zero", "3", "--shard-group", "2"],
                            ["--arch", "llama", "--n-inner", "24", "--router", "softmax-topk", "--norm-topk-prob", "false"]),
@@ -338,11 +341,14 @@ def test_todays_moe_equals_one_process(tmp_path, name):
     for n in biases:  # moved by γ = 0.01 each of the 3 steps, the same on every rank
         assert 0 < np.abs(saved[1][n]).max() <= 3 * 0.01 + 1e-7
     if "--ep" in layout:  # dropless all-to-all-v: the rows each rank's tokens sent and received, C = 16 float64
-        ep, moe_layers, microbatches = 2, 2, 1  # and per MoE layer and microbatch the counts of the other rank's E/ep
+        flags = [*MODERN_MOE, *model, *layout]  # and per MoE layer and microbatch the counts of the other ranks' E/ep
+        last = max(i for i, flag in enumerate(flags) if flag == "--n-expert")  # the one train reads
+        ep, experts = int(layout[layout.index("--ep") + 1]), int(flags[last + 1])
+        moe_layers, microbatches = 2, 1
         for record in parallel:
             sent, rows = record["comm_bytes_by_op"], record["experts"]["rows_out"] + record["experts"]["rows_in"]
             assert sent["ep_forward"] == sent["ep_backward"] == rows * 16 * 8
-            assert sent["ep_counts"] == moe_layers * microbatches * (ep - 1) * (8 // ep) * 8
+            assert sent["ep_counts"] == moe_layers * microbatches * (ep - 1) * (experts // ep) * 8
     for mine, reference in zip(parallel, single):  # the balance report: the same loads as one process counts
         report, expected = mine["experts"], reference["experts"]
         assert len(report["load_max_over_mean"]) == 2 and report["dropped_fraction"] == 0  # 2 MoE layers, dropless
