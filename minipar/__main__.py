@@ -298,6 +298,22 @@ def build_parser() -> argparse.ArgumentParser:
                          "against measured, and the measured best")
     pl.add_argument("--check-steps", type=int, default=8, help="--check: steps per run (the first two not timed)")
     pl.add_argument("--check-timeout", type=float, default=600.0, help="--check: seconds a run may take")
+    la = commands.add_parser("launch", help="run train under mpiexec; restart it from the newest checkpoint when a rank "
+                                            "dies, on fewer ranks if a host keeps failing", allow_abbrev=False,
+                             formatter_class=HelpWithDefaults, usage="%(prog)s -n N [options] -- train TRAIN_FLAGS",
+                             description="Supervise a training job: restart it from the newest complete checkpoint "
+                                         "(--save, or --local-save when newer) after a fault, up to --max-restarts "
+                                         "times; drop a host that fails twice in a row while --min-ranks allows. "
+                                         "Ctrl-C stops the job at its step's end, and the launcher with it.")
+    la.add_argument("-n", type=int, required=True, help="ranks to start")
+    la.add_argument("--hosts", help="comma-separated hosts, filled --ppn ranks each in order (mpiexec -hosts)")
+    la.add_argument("--ppn", type=int, help="ranks per host (with --hosts)")
+    la.add_argument("--max-restarts", type=int, default=3, help="restarts before giving up")
+    la.add_argument("--min-ranks", type=int, help="fewest ranks to go on with after dropping a failing host "
+                                                  "(default: -n, never shrink)")
+    la.add_argument("--bootstrap", help="how mpiexec starts remote ranks (its -launcher: ssh, rsh, fork, slurm, ...)")
+    la.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- train ...",
+                    help="the train command and its flags (--save required)")
     tplot = commands.add_parser("trace-plot", help="draw a --trace timeline (text, and a PNG with -o)",
                                 description="Draw the per-rank timeline written by train --trace.",
                                 formatter_class=HelpWithDefaults)
@@ -362,16 +378,26 @@ def fail(command: str, error: BaseException, agree: Any) -> int:
     return 2
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line's arguments, with the set of flags written on it (``explicit``)."""
     args = build_parser().parse_args(argv)
     args.explicit = explicit_flags(argv)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
     agree = parallel_world() if args.command in ("train", "plan") else None
     try:
         if args.command == "train":
             from minipar.train import train
 
             train(args)
+        elif args.command == "launch":
+            from minipar.launch import launch
+
+            return launch(args, lambda flags: parse(["train", *flags]))
         else:
             {"generate": generate, "plan": plan_command, "trace-plot": trace_plot, "plot": plot_command,
              "export": export}[args.command](args)

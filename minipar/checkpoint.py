@@ -12,7 +12,9 @@ import hashlib
 import json
 import os
 import shutil
-from typing import TYPE_CHECKING, Any
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -21,7 +23,7 @@ from minipar.parallel.layout import Layout
 from minipar.parallel.tensor_parallel import merge_state_dicts
 from minipar.placement import REPLICATED
 from minipar.data import TOKENIZER_FILES, save_tokenizer
-from minipar.safetensors_io import atomic_write, decode_safetensors, encode_safetensors
+from minipar.safetensors_io import atomic_write, decode_safetensors, encode_into
 
 if TYPE_CHECKING:  # annotations only
     from minipar.comm import Communicator
@@ -47,6 +49,7 @@ if TYPE_CHECKING:  # annotations only
 
 CHECKPOINT_FORMAT = "minipar-checkpoint-1"
 STATE_KINDS = ("param", "exp_avg", "exp_avg_sq")
+LOCAL_KEEP = 2  # complete checkpoints kept in the --local-save tier
 
 
 @dataclasses.dataclass
@@ -70,45 +73,136 @@ class Checkpoint:
 
 
 
+class CheckpointWriter:
+    """Writes checkpoints one at a time, on a thread of its own unless ``background`` is False.
+
+    ``submit(write)`` first waits for the previous write (so two saves never interleave, and a slow disk slows the
+    run instead of piling up copies in memory), then starts ``write``; an error in a write is raised by the next
+    ``submit`` or by ``wait``, on the rank it happened on. A job's ranks each hold one writer."""
+
+    def __init__(self, background: bool = True):
+        self.background = background
+        self.buffers: dict[str, np.ndarray] = {}  # file name -> its staging buffer, reused from save to save
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def submit(self, write: Callable[[], None]) -> None:
+        self.wait()
+        if not self.background:
+            write()
+            return
+
+        def run() -> None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: this thread only
+            except (AttributeError, OSError):
+                pass
+            try:
+                write()
+            except BaseException as e:  # noqa: BLE001 (handed to the training thread by wait)
+                self._error = e
+
+        self._thread = threading.Thread(target=run, name="minipar-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def wait(self, raise_error: bool = True) -> None:
+        """Block until the write in flight (if any) is done; raise its error (or drop it: a run ending on another)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None and raise_error:
+            raise error
+
+
+WRITE_DELAY_ENV = "MINIPAR_CHECKPOINT_WRITE_DELAY"  # seconds slept before each file: fault tests kill during a write
+
+
 def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]] | None, mesh: Any, config: Any,
                     layout: Layout, optimizer_step: int, training: dict[str, Any] | None = None,
-                    rank_state: dict[str, Any] | None = None, extra_files: tuple[str, ...] = ()) -> str:
+                    rank_state: dict[str, Any] | None = None, extra_files: Callable[[str], tuple[str, ...]] | None = None,
+                    writer: CheckpointWriter | None = None, keep_last: int = 0, timeout: float = 600.0) -> str:
     """Write this rank's share of a checkpoint (``state`` is None on ranks that hold duplicates); all ranks call.
 
     ``state`` maps each of STATE_KINDS to this rank's tensors by global parameter name; ``training`` holds
     scalars every rank shares (rank 0's are written); ``rank_state`` what only this rank holds; ``extra_files``
-    names files rank 0 already wrote into the step's directory (the tokenizer's), checksummed in the manifest
-    like the shards.
-    """
+    (rank 0's) writes files into the step's directory (the tokenizer's) and returns their names, checksummed in the
+    manifest like the shards.
+
+    What the caller waits for: a copy of the tensors in host memory and one all-gather of the file names every rank
+    will write (a few bytes each). The rest is ``writer``'s (default: written now, and every rank returns once the
+    checkpoint is complete): each rank writes its files atomically, then a small ``.entry-<file>.json`` with the
+    file's size and sha256; rank 0 waits (up to ``timeout`` seconds) for every rank's entries, writes the manifest
+    and then ``latest``, removes the entries and what a killed earlier run left, and keeps the newest ``keep_last``
+    complete checkpoints (0: all). A rank killed mid-write leaves a step without a manifest: an interrupted save,
+    which loading passes over."""
     world = mesh.world
     step_dir = step_path(root, step)
-    os.makedirs(step_dir, exist_ok=True)
-    record = own = b""
+    if writer is not None:
+        writer.wait()  # its staging buffers hold the previous save until that is written
+    buffers = writer.buffers if writer is not None else {}
+    pieces = []  # (file name, its tensors, its safetensors metadata, its manifest fields)
     if state is not None:
-        name = f"pp{mesh.pp_rank}-tp{mesh.tp_rank}.safetensors"
-        tensors = {f"{kind}/{n}": np.asarray(a) for kind in STATE_KINDS for n, a in state[kind].items()}
-        entry = _write(step_dir, name, tensors, {"pp_rank": str(mesh.pp_rank), "tp_rank": str(mesh.tp_rank)})
-        record = json.dumps({**entry, "pp_rank": mesh.pp_rank, "tp_rank": mesh.tp_rank}).encode()
+        pieces.append((f"pp{mesh.pp_rank}-tp{mesh.tp_rank}.safetensors",
+                       {f"{kind}/{n}": a for kind in STATE_KINDS for n, a in state[kind].items()},
+                       {"pp_rank": str(mesh.pp_rank), "tp_rank": str(mesh.tp_rank)},
+                       {"pp_rank": mesh.pp_rank, "tp_rank": mesh.tp_rank}))
     if rank_state:
-        entry = _write(step_dir, f"rank{world.rank:05d}.safetensors", {k: np.asarray(a) for k, a in rank_state.items()},
-                       {"rank": str(world.rank)})
-        own = json.dumps({**entry, "rank": world.rank}).encode()
-    records = [json.loads(r) for r in world.all_gather_bytes(record, label="checkpoint") if r]
-    rank_records = [json.loads(r) for r in world.all_gather_bytes(own, label="checkpoint") if r]
-    if world.rank == 0:
-        manifest = {"format": CHECKPOINT_FORMAT, "step": step, "optimizer_step": optimizer_step,
-                    "config": dataclasses.asdict(config),
-                    "layout": layout.as_dict(), "world": world.size, "training": training or {},
-                    "files": records, "rank_files": rank_records,
-                    "extra_files": [_entry(os.path.join(step_dir, name)) for name in extra_files]}
-        atomic_write(os.path.join(step_dir, "manifest.json"), [json.dumps(manifest, indent=1).encode()])
-        atomic_write(os.path.join(root, "latest"), [f"step_{step:06d}\n".encode()])
-    world.barrier()
-    if world.rank == 0:  # every rank has written: temporaries left here by a killed earlier run can go
-        for folder in (root, step_dir):
-            for stale in glob.glob(os.path.join(glob.escape(folder), "*.tmp-*")):
-                os.remove(stale)
+        pieces.append((f"rank{world.rank:05d}.safetensors", rank_state, {"rank": str(world.rank)}, {"rank": world.rank}))
+    files = []  # (file name, its bytes, its manifest fields)
+    for name, tensors, metadata, position in pieces:
+        # the one copy the step waits for: training goes on changing the live tensors while the writer writes
+        buffers[name] = encode_into({k: np.asarray(a) for k, a in tensors.items()}, metadata, buffers.get(name))
+        files.append((name, buffers[name], position))
+    if world.rank == 0:  # a killed run's save of this step: its manifest and entries must not count for this one
+        # (no writer of this step starts before the gather below, so none of this step's own is removed)
+        for stale in glob.glob(os.path.join(glob.escape(step_dir), "manifest.json")) + \
+                glob.glob(os.path.join(glob.escape(step_dir), ".entry-*")):
+            os.remove(stale)
+    expected = [name for names in world.all_gather_bytes(json.dumps([f[0] for f in files]).encode(), label="checkpoint")
+                for name in json.loads(names)]
+    training = dict(training or {})
+
+    def write() -> None:
+        os.makedirs(step_dir, exist_ok=True)
+        for name, blob, position in files:
+            entry = {**_write(step_dir, name, [blob]), **position}
+            atomic_write(os.path.join(step_dir, f".entry-{name}.json"), [json.dumps(entry).encode()])
+        if world.rank == 0:
+            extras = [_write(step_dir, name, None) for name in (extra_files(step_dir) if extra_files else ())]
+            entries = _wait_for_entries(step_dir, expected, timeout)
+            manifest = {"format": CHECKPOINT_FORMAT, "step": step, "optimizer_step": optimizer_step,
+                        "config": dataclasses.asdict(config), "layout": layout.as_dict(), "world": world.size,
+                        "training": training, "files": [e for e in entries if "pp_rank" in e],
+                        "rank_files": [e for e in entries if "rank" in e], "extra_files": extras}
+            atomic_write(os.path.join(step_dir, "manifest.json"), [json.dumps(manifest, indent=1).encode()])
+            atomic_write(os.path.join(root, "latest"), [f"step_{step:06d}\n".encode()])
+            for folder, pattern in ((step_dir, ".entry-*.json"), (step_dir, "*.tmp-*"), (root, "*.tmp-*")):
+                for leftover in glob.glob(os.path.join(glob.escape(folder), pattern)):  # every rank has written
+                    os.remove(leftover)
+            prune_checkpoints(root, keep_last)
+
+    if writer is None:
+        write()
+        world.barrier()
+    else:
+        writer.submit(write)
     return step_dir
+
+
+def _wait_for_entries(step_dir: str, names: list[str], timeout: float) -> list[dict[str, Any]]:
+    """The entries every rank wrote for ``names`` (each appears, whole, by an atomic rename), waited for."""
+    deadline = time.monotonic() + (timeout if timeout > 0 else float("inf"))
+    entries = []
+    for name in names:
+        path = os.path.join(step_dir, f".entry-{name}.json")
+        while not os.path.isfile(path):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{path}: the rank writing {name} did not finish within {timeout:g} s")
+            time.sleep(0.01)
+        with open(path, encoding="utf-8") as f:
+            entries.append(json.load(f))
+    return entries
 
 
 def step_path(root: str, step: int) -> str:
@@ -116,18 +210,24 @@ def step_path(root: str, step: int) -> str:
     return os.path.join(root, f"step_{step:06d}")
 
 
-def _write(step_dir: str, name: str, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> dict[str, Any]:
-    """Write one safetensors file atomically; its manifest entry (name, size, sha256)."""
-    chunks = encode_safetensors(tensors, metadata)
-    atomic_write(os.path.join(step_dir, name), chunks)
-    return _entry(os.path.join(step_dir, name))
-
-
-def _entry(file: str) -> dict[str, Any]:
-    """A written file's manifest entry: its name, size and sha256."""
-    with open(file, "rb") as f:
-        blob = f.read()
-    return {"file": os.path.basename(file), "bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+def _write(step_dir: str, name: str, chunks: list[bytes] | list[np.ndarray] | None) -> dict[str, Any]:
+    """Write ``chunks`` atomically to a file of ``step_dir`` (None: the file is there already); its manifest entry
+    (name, size, sha256). A failed write (a full disk) names the file and says the previous checkpoint is kept."""
+    path = os.path.join(step_dir, name)
+    if chunks is None:
+        with open(path, "rb") as f:
+            chunks = [f.read()]
+    else:
+        time.sleep(float(os.environ.get(WRITE_DELAY_ENV, 0)))
+        try:
+            atomic_write(path, chunks)
+        except OSError as e:
+            raise OSError(f"checkpoint: cannot write {path} ({e.strerror or e}); the checkpoints written before "
+                          "it are kept") from None
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    return {"file": name, "bytes": sum(memoryview(c).nbytes for c in chunks), "sha256": digest.hexdigest()}
 
 
 def _verified(file: str, entry: dict[str, Any]) -> bytes:
@@ -202,7 +302,8 @@ def load_checkpoint(path: str) -> Checkpoint:
     raise FileNotFoundError(f"{path}: no complete checkpoint; " + "; ".join(skipped))
 
 
-def _load_step(step_dir: str) -> Checkpoint:
+def _read_manifest(step_dir: str) -> tuple[dict[str, Any], Any, Layout]:
+    """A step's manifest, its model config and the layout it was written under (refused if unreadable)."""
     manifest_path = os.path.join(step_dir, "manifest.json")
     if not os.path.isfile(manifest_path):
         raise FileNotFoundError(f"{manifest_path} is missing: the save was interrupted")
@@ -214,9 +315,18 @@ def _load_step(step_dir: str) -> Checkpoint:
         config = config_from_dict(manifest["config"])
         # checkpoints before the Layout record stored only dp, ep, cp, tp, pp and zero: the rest take defaults
         layout = Layout(**{k: v for k, v in manifest["layout"].items() if k in Layout.__dataclass_fields__})
-        step, optimizer_step, entries = int(manifest["step"]), int(manifest["optimizer_step"]), manifest["files"]
+        for key in ("step", "optimizer_step"):
+            int(manifest[key])
+        if not isinstance(manifest["files"], list):
+            raise TypeError("'files' is not a list")
     except (UnicodeDecodeError, json.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{manifest_path}: unreadable ({type(e).__name__}: {e})") from None
+    return manifest, config, layout
+
+
+def _load_step(step_dir: str) -> Checkpoint:
+    manifest, config, layout = _read_manifest(step_dir)
+    step, optimizer_step, entries = int(manifest["step"]), int(manifest["optimizer_step"]), manifest["files"]
     by_position = {(entry["pp_rank"], entry["tp_rank"]): _read_verified(os.path.join(step_dir, entry["file"]), entry)
                    for entry in entries}
     for entry in manifest.get("extra_files", []):  # the tokenizer: a damaged one would encode the data differently
@@ -234,6 +344,48 @@ def _load_step(step_dir: str) -> Checkpoint:
     return Checkpoint(step_dir, step, optimizer_step, config, layout, full["param"], full["exp_avg"], full["exp_avg_sq"],
                       training=manifest.get("training", {}),
                       rank_files={e["rank"]: e for e in manifest.get("rank_files", [])})
+
+
+@dataclasses.dataclass
+class Complete:
+    """A checkpoint every file of which is present and matches its manifest."""
+    path: str
+    step: int
+
+
+def newest_complete(root: str) -> tuple[Complete | None, list[str]]:
+    """The newest checkpoint under a --save ``root`` whose every file verifies (size and sha256 against the
+    manifest), and the damaged or interrupted newer ones passed over — read without merging any tensor."""
+    try:
+        candidates, _ = _candidates(root)
+    except FileNotFoundError:
+        return None, []
+    skipped = []
+    for step_dir in candidates:
+        try:
+            manifest, _, _ = _read_manifest(step_dir)
+            for entry in manifest["files"] + manifest.get("rank_files", []) + manifest.get("extra_files", []):
+                _verified(os.path.join(step_dir, entry["file"]), entry)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            skipped.append(f"{step_dir} ({e})")
+            continue
+        return Complete(step_dir, int(manifest["step"])), skipped
+    return None, skipped
+
+
+def newest_checkpoint(durable: str, local: str | None) -> tuple[Complete | None, list[str]]:
+    """The newer of the two tiers' newest complete checkpoints (the durable one on a tie), and what to say: the
+    damaged ones passed over, and a local tier that has nothing (lost with its host, or not written yet)."""
+    found, skipped = newest_complete(durable)
+    notes = [f"skipped damaged checkpoint {s}" for s in skipped]
+    if local:
+        near, near_skipped = newest_complete(local)
+        notes += [f"skipped damaged local checkpoint {s}" for s in near_skipped]
+        if near is None and found is not None:
+            notes.append(f"no complete local checkpoint under {local}: falling back to the durable {found.path}")
+        elif near is not None and (found is None or near.step > found.step):
+            found = near
+    return found, notes
 
 
 def prune_checkpoints(root: str, keep_last: int) -> list[str]:
@@ -297,17 +449,13 @@ def restore_training_state(resumed: Checkpoint, layout: Layout, world: Communica
                           "SGD's replicas) starts afresh in this layout")
 
 
-def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any, model: GPT, mesh: Mesh,
-               layout: Layout, scaler: LossScaler | None, local_sgd: LocalSGD | None, tokenizer: str | None) -> str:
-    """Save parameters and AdamW state in this layout (the first replica of each (pp, tp) slice writes them), the
-    loss scaler's state, what only each rank holds (a compressor's error feedback; local SGD's replica), and the
-    tokenizer files (``tokenizer``'s BPE, or bytes), so that a resumed run, generate and export encode alike."""
-    written: tuple[str, ...] = ()
-    if mesh.world.rank == 0:  # before the manifest, which checksums them: a checkpoint that has one is complete
-        step_dir = step_path(args.save, step)
-        os.makedirs(step_dir, exist_ok=True)
-        save_tokenizer(step_dir, model.config.vocab_size, model.config.block_size, tokenizer)
-        written = tuple(name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(step_dir, name)))
+def checkpoint(args: argparse.Namespace, root: str, step: int, engine: Any, optimizer: Any, model: GPT, mesh: Mesh,
+               layout: Layout, scaler: LossScaler | None, local_sgd: LocalSGD | None, tokenizer: str | None,
+               writer: CheckpointWriter, keep_last: int) -> str:
+    """Save parameters and AdamW state in this layout under ``root`` (the first replica of each (pp, tp) slice writes
+    them), the loss scaler's state, what only each rank holds (a compressor's error feedback; local SGD's replica),
+    and the tokenizer files (``tokenizer``'s BPE, or bytes), so that a resumed run, generate and export encode alike.
+    The step waits for the gathers and the copy; ``writer`` writes (:func:`save_checkpoint`)."""
     names = {id(p): n for n, p in model.named_parameters()}
     own = {**engine.rank_state(), **(local_sgd.export_state(optimizer, names) if local_sgd else {})}
     params = {**engine.gathered_state_dict(), **optimizer.master_state(names),  # a 16-bit model's float32 masters
@@ -315,10 +463,12 @@ def checkpoint(args: argparse.Namespace, step: int, engine: Any, optimizer: Any,
     state = {"param": params, **optimizer.export_state(names)}
     state = {kind: mesh.whole_state(tensors, placements(model), axes=("ep",))  # whole experts; tp slices as they are
              for kind, tensors in state.items()}
-    state = state if mesh.grad_comm.rank == 0 else None
-    saved = save_checkpoint(args.save, step, state, mesh, model.config, layout, optimizer.step_count,
-                            training={**lr_schedule(args), **(scaler.state() if scaler else {})}, rank_state=own,
-                            extra_files=written)
-    if mesh.world.rank == 0:
-        prune_checkpoints(args.save, args.keep_last)
-    return saved
+
+    def tokenizer_files(step_dir: str) -> tuple[str, ...]:
+        save_tokenizer(step_dir, model.config.vocab_size, model.config.block_size, tokenizer)
+        return tuple(name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(step_dir, name)))
+
+    return save_checkpoint(root, step, state if mesh.grad_comm.rank == 0 else None, mesh, model.config, layout,
+                           optimizer.step_count, training={**lr_schedule(args), **(scaler.state() if scaler else {})},
+                           rank_state=own, extra_files=tokenizer_files, writer=writer, keep_last=keep_last,
+                           timeout=args.comm_timeout)

@@ -167,6 +167,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     io.add_argument("--save-interval", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     io.add_argument("--keep-last", type=int, default=0, metavar="N",
                     help="keep only the newest N checkpoints under --save (0: keep all)")
+    io.add_argument("--local-save", metavar="DIR",
+                    help="a fast local tier (e.g. under /dev/shm) checkpointed every --local-save-interval steps besides "
+                         "--save; the newest two are kept (python -m minipar launch restarts from the newer tier)")
+    io.add_argument("--local-save-interval", type=int, default=0, metavar="K", help="local checkpoint every K steps")
+    io.add_argument("--sync-save", action="store_true",
+                    help="write checkpoints inside the step (default: the step waits only for a copy in host memory, "
+                         "a writer thread writes it)")
     io.add_argument("--resume", metavar="DIR", help="continue from a --save checkpoint (any parallel layout)")
     io.add_argument("--json", action="store_true", help="one JSON object per step instead of a text line")
     io.add_argument("--log-interval", type=int, default=1, metavar="N", help="print progress every N steps")
@@ -322,6 +329,9 @@ FLAG_NEEDS: dict[str, tuple[str, Any]] = {
     "no_prefetch": ("--zero 3", lambda a: a.zero == 3),
     "no_moe_overlap": ("--ep 2 or more", lambda a: a.ep > 1),
     "save_interval": ("--save", lambda a: bool(a.save)),
+    "local_save_interval": ("--local-save", lambda a: bool(a.local_save)),
+    "local_save": ("--local-save-interval K", lambda a: a.local_save_interval > 0),
+    "sync_save": ("--save or --local-save", lambda a: bool(a.save or a.local_save)),
     **{name: ("--arch llama, deepseek or qwen3", lambda a: a.arch in ("llama", "deepseek", "qwen3") or bool(a.resume))
        for name in ("n_inner", "rope_theta", "tie_embeddings")},
     "n_kv_head": ("--arch llama or qwen3", lambda a: a.arch in ("llama", "qwen3") or bool(a.resume)),
@@ -345,7 +355,7 @@ def validate(args: argparse.Namespace, world_size: int, resumed: Checkpoint | No
     if args.warmup is None:
         args.warmup = min(30, args.decay_steps)
     for name in ("lr", "min_lr", "warmup", "grad_clip", "weight_decay", "eval_interval", "save_interval", "keep_last",
-                 "comm_timeout"):
+                 "local_save_interval", "comm_timeout"):
         if getattr(args, name) < 0:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     explicit = getattr(args, "explicit", set())  # the flags written on the command line
@@ -398,7 +408,8 @@ def check_output_paths(args: argparse.Namespace) -> None:
     nearest folder that exists on the way to it must be a folder this process can create a file in (probed with a
     temporary file; nothing is left behind). Every rank checks the same paths, so every rank reaches the same
     verdict."""
-    for flag, path, is_file in (("--out", args.out, False), ("--save", args.save, False), ("--trace", args.trace, True),
+    for flag, path, is_file in (("--out", args.out, False), ("--save", args.save, False),
+                                ("--local-save", args.local_save, False), ("--trace", args.trace, True),
                                 ("--log-file", args.log_file, True)):
         if not path:
             continue

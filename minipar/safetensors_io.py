@@ -53,23 +53,46 @@ def atomic_write(path: str, chunks: list[bytes | memoryview]) -> None:
 
 def encode_safetensors(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> list[bytes]:
     """The bytes of a safetensors file, as chunks (length, header, tensor data...)."""
+    head, stored = _layout(tensors, metadata)
+    payload = [array.view(np.uint16).astype("<u2", copy=False).tobytes() if code == "BF16"  # bfloat16's 16 bits
+               else array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+               for array, code in stored]
+    return [struct.pack("<Q", len(head)), head, *payload]
+
+
+def encode_into(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None,
+                buffer: np.ndarray | None = None) -> np.ndarray:
+    """The bytes of a safetensors file as one uint8 array, written into ``buffer`` when it has the right size (a
+    checkpoint's staging buffer, reused from save to save: no allocation, no page faults) — one copy of each
+    tensor, and one write and one hash of the result."""
+    head, stored = _layout(tensors, metadata)
+    size = 8 + len(head) + sum(array.nbytes for array, _ in stored)
+    out = buffer if buffer is not None and buffer.shape == (size,) else np.empty(size, np.uint8)
+    out[:8] = np.frombuffer(struct.pack("<Q", len(head)), np.uint8)
+    out[8:8 + len(head)] = np.frombuffer(head, np.uint8)
+    offset = 8 + len(head)
+    for array, code in stored:
+        dtype = np.dtype("<u2") if code == "BF16" else array.dtype.newbyteorder("<")
+        np.copyto(out[offset:offset + array.nbytes].view(dtype).reshape(array.shape),
+                  array.view(np.uint16) if code == "BF16" else array)
+        offset += array.nbytes
+    return out
+
+
+def _layout(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None) -> tuple[bytes, list[tuple[np.ndarray, str]]]:
+    """A safetensors header (padded to 8 bytes) and each tensor, contiguous, with its dtype code, in file order."""
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
-    payload, offset = [], 0
+    stored, offset = [], 0
     for name, array in tensors.items():
         array = np.ascontiguousarray(array)
-        if array.dtype.name == "bfloat16":  # ml_dtypes' bfloat16: its 16 bits as they are
-            code, raw = "BF16", array.view(np.uint16).astype("<u2", copy=False).tobytes()
-        else:
-            code = _FROM_NUMPY.get(array.dtype.str.lstrip("<|="))
-            if code is None:
-                raise TypeError(f"{name}: dtype {array.dtype} cannot be stored in safetensors here")
-            raw = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
-        header[name] = {"dtype": code, "shape": list(array.shape), "data_offsets": [offset, offset + len(raw)]}
-        payload.append(raw)
-        offset += len(raw)
+        code = "BF16" if array.dtype.name == "bfloat16" else _FROM_NUMPY.get(array.dtype.str.lstrip("<|="))
+        if code is None:
+            raise TypeError(f"{name}: dtype {array.dtype} cannot be stored in safetensors here")
+        header[name] = {"dtype": code, "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        stored.append((array, code))
+        offset += array.nbytes
     head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # pad so tensor data starts 8-byte aligned
-    return [struct.pack("<Q", len(head)), head, *payload]
+    return head + b" " * (-len(head) % 8), stored  # padded so tensor data starts 8-byte aligned
 
 
 def decode_safetensors(blob: bytes, path: str = "<bytes>") -> tuple[dict[str, np.ndarray], dict[str, str]]:

@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import hashlib
 import math
+import os
 import signal
 import time
 import tracemalloc
@@ -29,12 +30,13 @@ import numpy as np
 
 from minipar import models, trace
 from minipar.backend import set_device, set_kernels
-from minipar.checkpoint import (Checkpoint, checkpoint, load_checkpoint, lr_schedule, placements, restore_optimizer,
-                                restore_training_state)
+from minipar.checkpoint import (LOCAL_KEEP, Checkpoint, CheckpointWriter, checkpoint, load_checkpoint, lr_schedule,
+                                placements, restore_optimizer, restore_training_state)
 from minipar.cli import (InterruptWatch, Interrupted, Progress, check_ranks_agree, choose_layout, load_data, step_record,
                          tokenizer_source, validate)
 from minipar.comm import Communicator, start_watchdog
 from minipar.data import Batches
+from minipar.launch import announce_rank
 from minipar.models.gpt import GPT, GPTConfig
 from minipar.nn import count_layer_norm_bytes
 from minipar.optim import cosine_lr, group_sum
@@ -87,6 +89,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     SIGTERM, after checkpointing with --save.
     """
     world = Communicator()
+    announce_rank(world.rank)
     check_ranks_agree(world, "arguments", {k: v for k, v in vars(args).items() if k != "explicit"})
     start_watchdog(args.comm_timeout)
     if args.auto:
@@ -132,6 +135,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
         progress.note(data_note)
 
     interrupt = InterruptWatch(world)
+    writer = CheckpointWriter(background=not args.sync_save)
     if args.trace:
         trace.start(world)
     records, step, finished = [], first_step, False
@@ -190,17 +194,24 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
             if progress.stdout_closed:
                 interrupt.request(signal.SIGPIPE)
             stop = interrupt.requested()
-            if args.save and (stop or last or (args.save_interval and (step + 1) % args.save_interval == 0)):
-                saved = checkpoint(args, step + 1, engine, optimizer, model, mesh, layout, scaler, local_sgd,
-                                   tokenizer_dir)
+            durable = args.save and (stop or last or (args.save_interval and (step + 1) % args.save_interval == 0))
+            local = args.local_save and (args.local_save_interval and (step + 1) % args.local_save_interval == 0
+                                         or (stop and not args.save))
+            if durable or local:  # the step waits for the copy; the writer thread writes (one save at a time)
+                saved = checkpoint(args, args.save if durable else args.local_save, step + 1, engine, optimizer, model,
+                                   mesh, layout, scaler, local_sgd, tokenizer_dir, writer,
+                                   args.keep_last if durable else LOCAL_KEEP)
                 progress.say(f"checkpoint {saved}")
                 if last or stop:
-                    progress.written.append(f"checkpoint: {saved} (resume with --resume {args.save})")
+                    writer.wait()
+                    progress.written.append(f"checkpoint: {saved} (resume with --resume {os.path.dirname(saved)})")
             if stop:
-                saved_to = f"; checkpoint saved to {saved} (resume with --resume {args.save})" if args.save else ""
+                saved_to = (f"; checkpoint saved to {saved} (resume with --resume {os.path.dirname(saved)})"
+                            if durable or local else "")
                 progress.note(f"interrupted at step {step + 1} ({signal.Signals(stop).name}){saved_to}")
                 world.barrier()  # no rank exits before rank 0 has said so: mpiexec kills the rest at the first exit
                 raise Interrupted(stop, f"interrupted at step {step + 1}")
+        writer.wait()  # a save in flight completes (or raises its error) before the run ends
         if local_sgd:
             local_sgd.finish()  # the outstanding rounds: every replica ends equal
         if args.trace:
@@ -216,6 +227,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                                     f"{args.out})")
         finished = True
     finally:
+        writer.wait(raise_error=finished)  # on an error, the save in flight still completes; the error is the run's
         interrupt.close()
         if args.peak_memory:
             tracemalloc.stop()

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -44,8 +45,8 @@ def test_kill_and_resume_gives_the_identical_trajectory(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
                             env={**os.environ, **RANK_ENV})
     try:
-        for line in proc.stdout:
-            if json.loads(line)["step"] >= 10:
+        for line in proc.stdout:  # past step 10, and the writer thread has completed a checkpoint
+            if json.loads(line)["step"] >= 10 and os.path.exists(os.path.join(save, "latest")):
                 break
     finally:
         os.killpg(proc.pid, signal.SIGKILL)  # no clean shutdown: whatever was mid-write stays half-written
@@ -252,3 +253,45 @@ def test_resume_restores_every_state_bit_for_bit(tmp_path, ranks, extra):
         assert any((states[0][k] != states[1][k]).any() for k in states[0])  # error feedback is the rank's own
     else:
         assert not ckpt.rank_files
+
+
+def test_staged_bytes_are_the_safetensors_file():
+    """encode_into (one buffer, reused) writes exactly the bytes encode_safetensors' chunks make — bfloat16, a
+    transposed (non-contiguous) array and integers included — and reuses a buffer of the right size."""
+    import ml_dtypes
+
+    from minipar.safetensors_io import encode_into, encode_safetensors
+
+    tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.arange(4).astype(ml_dtypes.bfloat16),
+               "c": np.arange(4.0).reshape(2, 2).T, "d": np.arange(3, dtype=np.int64)}
+    staged = encode_into(tensors, {"k": "v"})
+    assert staged.tobytes() == b"".join(encode_safetensors(tensors, {"k": "v"}))
+    assert encode_into(tensors, {"k": "v"}, staged) is staged
+    assert encode_into({"a": tensors["a"]}, None, staged) is not staged  # another size: a new buffer
+
+
+def test_an_asynchronous_save_waits_only_for_the_copy(tmp_path, monkeypatch):
+    """With the writer slowed to 0.5 s a file, save_checkpoint returns at once, before any file or the manifest
+    exists; what it writes is the tensors as they were when it was called (training changes them right after);
+    the next save waits for the previous one and reuses its staging buffer."""
+    from minipar.checkpoint import WRITE_DELAY_ENV, CheckpointWriter, save_checkpoint
+    from minipar.comm import Communicator
+    from minipar.models.gpt import GPTConfig
+    from minipar.parallel.layout import Layout
+
+    monkeypatch.setenv(WRITE_DELAY_ENV, "0.5")
+    weight = np.arange(6.0)
+    state = {"param": {"w": weight}, "exp_avg": {"w": np.zeros(6)}, "exp_avg_sq": {"w": np.ones(6)}}
+    mesh, writer, root = Layout().mesh(Communicator()), CheckpointWriter(), str(tmp_path / "c")
+    started = time.monotonic()
+    save_checkpoint(root, 1, state, mesh, GPTConfig(), Layout(), 1, writer=writer)
+    assert time.monotonic() - started < 0.4 and not os.path.exists(os.path.join(root, "step_000001", "manifest.json"))
+    weight[:] = -1.0  # the next step changes the live tensor
+    buffer = writer.buffers["pp0-tp0.safetensors"]
+    save_checkpoint(root, 2, state, mesh, GPTConfig(), Layout(), 2, writer=writer)  # waits for step 1's write
+    assert os.path.isfile(os.path.join(root, "step_000001", "manifest.json"))
+    assert writer.buffers["pp0-tp0.safetensors"] is buffer
+    writer.wait()
+    assert np.array_equal(load_checkpoint(os.path.join(root, "step_000001")).params["w"], np.arange(6.0))
+    assert np.array_equal(load_checkpoint(root).params["w"], np.full(6, -1.0))
+    assert not [n for n in os.listdir(os.path.join(root, "step_000002")) if n.startswith(".entry-")]

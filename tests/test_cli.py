@@ -136,10 +136,12 @@ def test_every_mode_flag_is_refused_without_its_mode():
              "qk_nope_head_dim": ["4"], "qk_rope_head_dim": ["4"], "v_head_dim": ["4"], "mtp_depth": ["1"],
              "mtp_weight": ["0.1"], "moe_inner": ["8"], "n_shared_expert": ["1"], "first_dense_layers": ["1"],
              "router": ["sigmoid"], "norm_topk_prob": ["false"], "routed_scaling": ["2.5"], "expert_groups": ["2"],
-             "topk_groups": ["1"], "bias_update": ["0.001"], "n_head_dim": ["8"], "no_moe_overlap": []}
+             "topk_groups": ["1"], "bias_update": ["0.001"], "n_head_dim": ["8"], "no_moe_overlap": [],
+             "local_save": ["shm"], "local_save_interval": ["2"], "sync_save": []}
     mode = {"loss_scale": ["--precision", "fp16-mixed"], "topk_ratio": ["--compression", "topk"],
             "powersgd_rank": ["--compression", "powersgd"], "cp_kind": ["--cp", "2"], "cp_split": ["--cp", "2"],
-            "no_prefetch": ["--zero", "3"], "save_interval": ["--save", "ckpt"],
+            "no_prefetch": ["--zero", "3"], "save_interval": ["--save", "ckpt"], "sync_save": ["--save", "ckpt"],
+            "local_save": ["--local-save-interval", "2"], "local_save_interval": ["--local-save", "shm"],
             **dict.fromkeys(("expert_top_k", "capacity_factor", "aux_loss_coef", "moe_inner", "n_shared_expert",
                              "first_dense_layers", "router", "norm_topk_prob", "routed_scaling", "expert_groups",
                              "topk_groups", "bias_update"), ["--n-expert", "4"]),

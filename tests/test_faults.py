@@ -58,7 +58,8 @@ def test_the_reported_checkpoint_hang_is_gone(tmp_path):
         _train(2, ["--pp", "2", "--steps", "2", "--save", str(tmp_path / "ckx"), "--eval-interval", "0"],
                timeout=FAULT_SECONDS)
     report = str(failure.value)
-    assert "error on rank 1 of 2: [Errno 21] Is a directory" in report and "timed out" not in report
+    assert "error on rank 1 of 2: checkpoint: cannot write " in report and "timed out" not in report
+    assert "pp1-tp0.safetensors (Is a directory); the checkpoints written before it are kept" in report
     assert _no_temporaries(tmp_path)
 
 

@@ -17,7 +17,7 @@ LAYERS = [
     ["minipar.parallel"],
     ["minipar.checkpoint", "minipar.plot"],
     ["minipar.cli"],
-    ["minipar.train", "minipar.testing", "minipar.__main__"],
+    ["minipar.train", "minipar.testing", "minipar.launch", "minipar.__main__"],
 ]
 ALLOWED_CYCLES = {frozenset({"minipar.autograd", "minipar.ops"})}
 
