@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+
+from speed import cpu_model  # benchmarks/speed.py: the CPU named beside every figure
 
 MODEL = ["--n-layer", "4", "--n-head", "8", "--n-embd", "256", "--block-size", "128", "--batch-size", "8",
          "--eval-interval", "0", "--log-interval", "1000", "--warmup", "2"]
@@ -36,14 +37,6 @@ def wall(flags: list[str], threads: str) -> float:
     return time.perf_counter() - t0
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown CPU"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
@@ -53,7 +46,7 @@ def main() -> None:
     folders = {"disk": tempfile.mkdtemp(prefix="minipar-ckpt-", dir=os.getcwd())}
     if os.path.isdir("/dev/shm"):
         folders["/dev/shm"] = tempfile.mkdtemp(prefix="minipar-ckpt-", dir="/dev/shm")
-    print(f"{cpu_name()}, {os.cpu_count()} cores; {args.steps} steps, --save-interval 1, median of {args.repeats}")
+    print(f"{cpu_model()}, {os.cpu_count()} cores; {args.steps} steps, --save-interval 1, median of {args.repeats}")
     print(f"{'where':<10} {'BLAS threads':>12} {'step, no save (ms)':>19} {'sync save cost (ms)':>20} "
           f"{'async save cost (ms)':>21} {'async/sync':>11}")
     try:
