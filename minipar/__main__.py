@@ -61,6 +61,12 @@ def generate(args: argparse.Namespace) -> None:
             print("-" * 40)
 
 
+def figures(args: argparse.Namespace) -> None:
+    from minipar.figures import make_all
+
+    make_all(args.out)
+
+
 def trace_plot(args: argparse.Namespace) -> None:
     from minipar.plot import ascii_chart, load_events, timeline_png
 
@@ -314,6 +320,12 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--bootstrap", help="how mpiexec starts remote ranks (its -launcher: ssh, rsh, fork, slurm, ...)")
     la.add_argument("command_line", nargs=argparse.REMAINDER, metavar="-- train ...",
                     help="the train command and its flags (--save required)")
+    fig = commands.add_parser("figures", help="draw every figure of the docs from the engine's own objects (SVG)",
+                              formatter_class=HelpWithDefaults,
+                              description="Regenerate the docs' figures: pipeline schedules, ring collectives, ZeRO "
+                                          "memory, the mesh, the planner against published runs (needs: pip install "
+                                          "'minipar[plot]').")
+    fig.add_argument("--out", default=os.path.join("docs", "figures"), metavar="DIR", help="where the SVGs go")
     tplot = commands.add_parser("trace-plot", help="draw a --trace timeline (text, and a PNG with -o)",
                                 description="Draw the per-rank timeline written by train --trace.",
                                 formatter_class=HelpWithDefaults)
@@ -399,8 +411,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return launch(args, lambda flags: parse(["train", *flags]))
         else:
-            {"generate": generate, "plan": plan_command, "trace-plot": trace_plot, "plot": plot_command,
-             "export": export}[args.command](args)
+            {"generate": generate, "plan": plan_command, "figures": figures, "trace-plot": trace_plot,
+             "plot": plot_command, "export": export}[args.command](args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -21,7 +21,7 @@ IDLE = (".", "#eeeeee")
 RUN_SYMBOLS = "*o+x#@%&"
 
 
-def _pyplot() -> Any:
+def pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
@@ -34,7 +34,7 @@ def _pyplot() -> Any:
     return plt
 
 
-def _save(figure: Any, path: str) -> None:
+def save_figure(figure: Any, path: str) -> None:
     """Render to memory, then write atomically (a reader never sees half a PNG)."""
     import io
 
@@ -82,7 +82,7 @@ def ascii_chart(events: list[dict[str, Any]], width: int = 100) -> str:
 
 def timeline_png(events: list[dict[str, Any]], path: str) -> None:
     """Each span as a bar on its rank's row, coloured by category; time in ms; legend and rank labels."""
-    plt = _pyplot()
+    plt = pyplot()
     ranks = sorted({e["pid"] for e in events})
     figure, axes = plt.subplots(figsize=(12, 0.6 * len(ranks) + 1.4))
     for category, (_, colour) in CATEGORIES.items():
@@ -97,7 +97,7 @@ def timeline_png(events: list[dict[str, Any]], path: str) -> None:
     axes.set_xlabel("time (ms)")
     axes.set_title("per-rank timeline (gaps: idle)")
     axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 4 else -0.12), ncol=len(CATEGORIES))
-    _save(figure, path)
+    save_figure(figure, path)
     plt.close(figure)
 
 
@@ -160,7 +160,7 @@ def summary(runs: dict[str, dict[str, list[tuple[int, float]]]]) -> str:
 
 def loss_png(runs: dict[str, dict[str, list[tuple[int, float]]]], path: str) -> None:
     """Training loss (solid) and validation loss (dashed, same colour) of every run against step."""
-    plt = _pyplot()
+    plt = pyplot()
     figure, axes = plt.subplots(figsize=(8, 5))
     for name, curve in runs.items():
         line = None
@@ -173,5 +173,5 @@ def loss_png(runs: dict[str, dict[str, list[tuple[int, float]]]], path: str) -> 
     axes.set_ylabel("loss (nats per token)")
     axes.grid(alpha=0.3)
     axes.legend()
-    _save(figure, path)
+    save_figure(figure, path)
     plt.close(figure)

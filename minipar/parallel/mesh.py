@@ -43,6 +43,11 @@ from minipar.placement import Placement
 AXES = ("pp", "dp", "cp", "tp")  # slowest to fastest
 
 
+def coordinates(rank: int, dp: int, cp: int, tp: int) -> tuple[int, int, int, int]:
+    """(pp_rank, dp_rank, cp_rank, tp_rank) of a world rank: tp fastest, then cp, dp, pp (Megatron's order)."""
+    return rank // (dp * cp * tp), rank // (cp * tp) % dp, rank // tp % cp, rank % tp
+
+
 class Mesh:
     def __init__(self, world: Communicator, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
                  shard_group: int | None = None):
@@ -133,8 +138,7 @@ class Mesh:
 
     def coordinates(self, rank: int) -> tuple[int, int, int, int]:
         """(pp_rank, dp_rank, cp_rank, tp_rank) of a world rank."""
-        tp, cp, dp = self.tp, self.cp, self.dp
-        return rank // (dp * cp * tp), rank // (cp * tp) % dp, rank // tp % cp, rank % tp
+        return coordinates(rank, self.dp, self.cp, self.tp)
 
     def __repr__(self) -> str:
         shape = ", ".join(f"{a}={self.sizes[a]}" for a in (*AXES, "ep"))

@@ -1,0 +1,328 @@
+"""Every figure of the docs, drawn from the engine's own objects — so a figure cannot disagree with the code.
+
+    python -m minipar figures [--out docs/figures]        # SVGs, through matplotlib (pip install 'minipar[plot]')
+
+Each figure is two functions: one that computes its data from the engine (a schedule object's simulated passes, the
+bytes the real ring collectives send, the planner's accounting, a mesh's coordinates), which tests check against the
+engine and the papers, and one that draws that data. Nothing here invents a number.
+
+    pipeline_<name>.svg    each rank's passes on the logical clock (Schedule.simulate), the bubble shaded and its share
+                           — the schedule's own formula — in the title: GPipe, 1F1B, interleaved, ZB-H1, DualPipeV
+    ring_<op>.svg          the ring reduce-scatter and all-gather step by step: which chunk each rank sends, with
+                           whose contributions, read back from the bytes the real algorithm sent between p threads
+    zero_memory.svg        model-state bytes per GPU for DP and ZeRO-1/2/3 (planner.model_state_bytes; the ZeRO
+                           paper's Figure 1: Ψ = 7.5B, N = 64)
+    mesh.svg               a 5-D layout: which rank holds which layers, heads, sequence chunks and experts
+    planner_published.svg  the planner's predicted step time against 24 published Megatron-LM runs
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from minipar.comm.collectives import chunk_bounds, ring_all_gather, ring_reduce_scatter
+from minipar.parallel.context_parallel import chunk_positions
+from minipar.parallel.layout import Layout
+from minipar.parallel.mesh import coordinates
+from minipar.parallel.pipeline import stage_blocks
+from minipar.parallel.planner import model_state_bytes
+from minipar.parallel.schedules import Schedule, build
+from minipar.plot import CATEGORIES, pyplot, save_figure
+
+KIND_COLOURS = {"F": CATEGORIES["forward"][1], "B": CATEGORIES["backward"][1], "W": CATEGORIES["weights"][1]}
+SCHEDULE_FIGURES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("dualpipev", 2))
+
+
+# ------------------------------------------------------------------------------------------- pipelines
+
+
+@dataclass(frozen=True)
+class Cell:
+    rank: int
+    start: float
+    width: float
+    kind: str  # F, B or W
+    microbatch: int
+    chunk: int
+
+
+def schedule_cells(schedule: Schedule) -> list[Cell]:
+    """Every pass of one step, where :meth:`Schedule.simulate` places it on the logical clock."""
+    cost, sim = schedule.costs(), schedule.simulate()
+    return [Cell(rank, start, cost[a.kind], a.kind, a.microbatch, a.chunk)
+            for rank, passes in enumerate(sim.passes) for start, a in passes]
+
+
+def idle_share(cells: list[Cell], p: int) -> float:
+    """The share of p ranks × the makespan in which no pass runs (the shaded area of the figure)."""
+    makespan = max(c.start + c.width for c in cells)
+    return 1.0 - sum(c.width for c in cells) / (p * makespan)
+
+
+def draw_schedule(schedule: Schedule, path: str) -> None:
+    plt = pyplot()
+    cells = schedule_cells(schedule)
+    makespan = max(c.start + c.width for c in cells)
+    figure, ax = plt.subplots(figsize=(min(16, 2 + makespan * 0.6), 0.5 + 0.45 * schedule.p))
+    ax.barh(range(schedule.p), [makespan] * schedule.p, left=0, height=0.8, color="#eeeeee", hatch="//",
+            edgecolor="#cccccc", linewidth=0)  # the bubble: whatever the passes leave uncovered
+    from matplotlib.colors import to_rgb
+
+    for c in cells:  # a second chunk's passes in a lighter shade of their kind's colour
+        colour = np.array(to_rgb(KIND_COLOURS[c.kind]))
+        ax.barh(c.rank, c.width, left=c.start, height=0.8, color=colour if c.chunk == 0 else 0.55 * colour + 0.45,
+                edgecolor="white", linewidth=0.8)
+        ax.text(c.start + c.width / 2, c.rank, f"{c.kind}{c.microbatch}" + ("'" * c.chunk), ha="center",
+                va="center", fontsize=6, color="white")
+    ax.set_yticks(range(schedule.p), [f"rank {r}" for r in range(schedule.p)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, makespan)
+    ax.set_xlabel("time (a stage's forward = 1)")
+    chunks = f", v={schedule.v}" if schedule.v > 1 else ""
+    ax.set_title(f"{schedule.name}: p={schedule.p}, m={schedule.m}{chunks} — bubble {schedule.bubble():.1%} "
+                 "(shaded; F blue, B red, W purple; ' = a rank's second chunk)", fontsize=9)
+    save_figure(figure, path)
+    plt.close(figure)
+
+
+# ------------------------------------------------------------------------------------------- ring collectives
+
+
+@dataclass(frozen=True)
+class Transfer:
+    phase: str  # "reduce-scatter" or "all-gather"
+    step: int
+    src: int
+    dst: int
+    chunk: int
+    contributors: tuple[int, ...]  # whose values the chunk carries summed
+
+
+class _Threads:
+    """p ranks as threads exchanging arrays through queues — enough of a communicator for the ring collectives —
+    recording what each rank sends."""
+
+    def __init__(self, p: int):
+        self.queues = {(a, b): queue.Queue() for a in range(p) for b in range(p)}
+        self.sent: list[tuple[int, int, int, np.ndarray]] = []  # (rank, its call number, destination, copy)
+        self.lock = threading.Lock()
+
+    def rank(self, r: int, size: int) -> Any:
+        threads, calls = self, [0]
+
+        class Comm:
+            rank = r
+
+            def sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int, tag: int) -> None:
+                with threads.lock:
+                    threads.sent.append((r, calls[0], dest, np.array(send)))
+                calls[0] += 1
+                threads.queues[(r, dest)].put(np.array(send))
+                recv[...] = threads.queues[(source, r)].get(timeout=10)
+
+        Comm.size = size
+        return Comm()
+
+
+def ring_transfers(p: int, chunk: int = 2) -> list[Transfer]:
+    """Run the real ring reduce-scatter and all-gather on p threads and read each transfer back from its bytes.
+
+    Rank r's input has chunk c filled with c + 2**(r + 8): a partial sum over a set S of ranks then holds
+    |S|·c + Σ_{r∈S} 2**(r + 8), so the chunk index and its contributors are read from the values sent alone."""
+    threads = _Threads(p)
+    bounds = chunk_bounds(p * chunk, p)
+    buffers = [np.repeat(np.arange(p, dtype=np.float64), chunk) + 2.0 ** (r + 8) for r in range(p)]
+
+    def run(r: int) -> None:
+        comm = threads.rank(r, p)
+        ring_reduce_scatter(comm, buffers[r], "sum", 0, bounds)
+        ring_all_gather(comm, buffers[r], 0, bounds)
+
+    workers = [threading.Thread(target=run, args=(r,)) for r in range(p)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    expected = np.repeat(p * np.arange(p, dtype=np.float64), chunk) + sum(2.0 ** (r + 8) for r in range(p))
+    if not all(np.array_equal(b, expected) for b in buffers):
+        raise AssertionError("the ring did not compute the sum")
+    transfers = []
+    for r, call, dest, data in sorted(threads.sent, key=lambda t: (t[1], t[0])):
+        value = int(data[0])
+        ranks = tuple(q for q in range(p) if value >> (q + 8) & 1)
+        phase = "reduce-scatter" if call < p - 1 else "all-gather"
+        transfers.append(Transfer(phase, call % (p - 1), r, dest, (value & 0xFF) // len(ranks), ranks))
+    return transfers
+
+
+def draw_ring(p: int, phase: str, path: str) -> None:
+    plt = pyplot()
+    steps = [t for t in ring_transfers(p) if t.phase == phase]
+    figure, axes = plt.subplots(1, p - 1, figsize=(3.2 * (p - 1), 3.4))
+    angle = [np.pi / 2 - 2 * np.pi * r / p for r in range(p)]
+    xy = [(np.cos(a), np.sin(a)) for a in angle]
+    for s, ax in enumerate(np.atleast_1d(axes)):
+        ax.set_aspect("equal")
+        ax.axis("off")
+        ax.set_xlim(-1.5, 1.5)
+        ax.set_ylim(-1.5, 1.5)
+        for r, (x, y) in enumerate(xy):
+            ax.add_patch(plt.Circle((x, y), 0.22, color="#4285f4"))
+            ax.text(x, y, str(r), ha="center", va="center", color="white", fontsize=10)
+        for t in (t for t in steps if t.step == s):
+            (x0, y0), (x1, y1) = xy[t.src], xy[t.dst]
+            ax.annotate("", (x1 * 0.75 + x0 * 0.25, y1 * 0.75 + y0 * 0.25), (x0 * 0.75 + x1 * 0.25, y0 * 0.75 + y1 * 0.25),
+                        arrowprops={"arrowstyle": "->", "color": "#db4437"})
+            label = f"c{t.chunk}" + (f" Σ{{{','.join(map(str, t.contributors))}}}" if phase == "reduce-scatter" else "")
+            ax.text((x0 + x1) / 2 * 1.45, (y0 + y1) / 2 * 1.45, label, ha="center", va="center", fontsize=7)
+        ax.set_title(f"step {s + 1} of {p - 1}", fontsize=9)
+    figure.suptitle(f"ring {phase}, p = {p}: chunk c of each rank's buffer; Σ{{…}}: the ranks whose values it carries",
+                    fontsize=9)
+    save_figure(figure, path)
+    plt.close(figure)
+
+
+# ------------------------------------------------------------------------------------------- ZeRO
+
+
+def zero_memory(psi: float, n: int, itemsize: int = 2) -> dict[str, float]:
+    """Model-state bytes per GPU for plain data parallelism and ZeRO stages 1-3 (the planner's accounting)."""
+    return {name: model_state_bytes(psi, n, stage, itemsize)
+            for stage, name in enumerate(("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"))}
+
+
+def draw_zero(path: str, psi: float = 7.5e9, n: int = 64) -> None:
+    plt = pyplot()
+    bars = zero_memory(psi, n)
+    figure, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar(list(bars), [b / 1e9 for b in bars.values()], color=["#9e9e9e", "#4285f4", "#ab47bc", "#db4437"])
+    for i, b in enumerate(bars.values()):
+        ax.text(i, b / 1e9, f"{b / 1e9:.1f} GB", ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("model states per GPU (GB)")
+    ax.set_title(f"mixed-precision Adam, Ψ = {psi / 1e9:g}B parameters, N = {n} GPUs: 16Ψ, 4Ψ + 12Ψ/N, "
+                 "2Ψ + 14Ψ/N, 16Ψ/N", fontsize=8)
+    save_figure(figure, path)
+    plt.close(figure)
+
+
+# ------------------------------------------------------------------------------------------- the mesh
+
+
+@dataclass(frozen=True)
+class Holding:
+    rank: int
+    pp: int
+    dp: int
+    cp: int
+    tp: int
+    ep: int
+    layers: tuple[int, ...]
+    heads: tuple[int, ...]
+    positions: tuple[int, ...]  # the chunks of each sequence (of 2·cp zigzag chunks, or cp contiguous)
+    experts: tuple[int, ...]
+
+
+def mesh_holdings(layout: Layout, n_layer: int, n_head: int, n_expert: int) -> list[Holding]:
+    """What every rank of ``layout`` holds: its mesh coordinates (Mesh's order: tp fastest, then cp, dp, pp) and
+    the layers (its pipeline stages' blocks), attention heads (tp), sequence chunks (cp) and experts (ep) of it."""
+    schedule = layout.pipeline_schedule()
+    out = []
+    for rank in range(layout.world):
+        pp, dp, cp, tp = coordinates(rank, layout.dp, layout.cp, layout.tp)
+        ep = (dp * layout.cp + cp) % layout.ep
+        layers = tuple(b for c in range(schedule.v) for b in stage_blocks(n_layer, schedule.n_stages, schedule.stage(pp, c)))
+        per = n_head // layout.tp
+        split = layout.cp_split if layout.cp > 1 else "contiguous"
+        chunks = 2 * layout.cp if split == "zigzag" else layout.cp
+        positions = tuple(int(x) for x in chunk_positions(cp, layout.cp, chunks // layout.cp, split))
+        experts = tuple(int(e) for e in np.array_split(np.arange(n_expert), layout.ep)[ep]) if n_expert else ()
+        out.append(Holding(rank, pp, dp, cp, tp, ep, layers, tuple(range(tp * per, (tp + 1) * per)), positions, experts))
+    return out
+
+
+def draw_mesh(path: str, layout: Layout | None = None, n_layer: int = 4, n_head: int = 4, n_expert: int = 4) -> None:
+    """One box per rank: pipeline stages down, data-parallel replicas across, cp then tp inside a replica."""
+    plt = pyplot()
+    layout = layout or Layout(dp=2, tp=2, pp=2, cp=2, ep=2, sp=True, schedule="1f1b", microbatches=2)
+    rows = mesh_holdings(layout, n_layer, n_head, n_expert)
+    inner = layout.cp * layout.tp
+    figure, ax = plt.subplots(figsize=(1.6 * layout.dp * inner + 1, 1.5 * layout.pp + 0.8))
+    colours = ["#bbdefb", "#f8bbd0", "#c8e6c9", "#ffe0b2", "#d1c4e9", "#b2ebf2", "#fff9c4", "#ffccbc"]
+    for h in rows:
+        x, y = h.dp * (inner + 0.4) + h.cp * layout.tp + h.tp, h.pp * 1.3
+        ax.add_patch(plt.Rectangle((x, y), 0.92, 1.1, facecolor=colours[h.ep % len(colours)], edgecolor="#555555"))
+        ranges = lambda v: f"{v[0]}–{v[-1]}" if len(v) > 1 and v[-1] - v[0] == len(v) - 1 else ",".join(map(str, v))
+        ax.text(x + 0.46, y + 0.55, f"rank {h.rank}\nlayers {ranges(h.layers)}\nheads {ranges(h.heads)}\n"
+                f"seq {ranges(h.positions)}" + (f"\nexperts {ranges(h.experts)}" if h.experts else ""),
+                ha="center", va="center", fontsize=7)
+    for dp in range(layout.dp):
+        ax.text(dp * (inner + 0.4) + inner / 2, -0.25, f"data-parallel replica {dp}", ha="center", fontsize=8)
+    for pp in range(layout.pp):
+        ax.text(-0.15, pp * 1.3 + 0.55, f"stage {pp}", ha="right", va="center", fontsize=8)
+    ax.set_xlim(-1.2, layout.dp * (inner + 0.4))
+    ax.set_ylim(layout.pp * 1.3, -0.5)
+    ax.axis("off")
+    ax.set_title(f"{layout} on {layout.world} ranks: L={n_layer}, H={n_head}, E={n_expert}; a sequence in "
+                 f"{2 * layout.cp if layout.cp_split == 'zigzag' else layout.cp} {layout.cp_split} chunks; "
+                 "colour: the expert-parallel rank", fontsize=8)
+    save_figure(figure, path)
+    plt.close(figure)
+
+
+# ------------------------------------------------------------------------------------------- the planner
+
+
+def published_predictions() -> list[tuple[str, float, float]]:
+    """(run, published seconds per step, the planner's prediction) for the published Megatron-LM runs, with the
+    efficiency constant per code base fitted as ``plan --validate`` fits it."""
+    from minipar.parallel import validation
+    from minipar.parallel.planner import BUILTIN_PROFILES
+
+    profile = BUILTIN_PROFILES["a100-80gb"]
+    efficiency = validation.fit(profile, validation.PUBLISHED_RUNS)
+    return [(run.name, run.published_seconds(),
+             validation.predict_run(run, validation.run_profile(run, profile, efficiency)).step_time)
+            for run in validation.PUBLISHED_RUNS]
+
+
+def draw_planner(path: str) -> None:
+    plt = pyplot()
+    runs = published_predictions()
+    figure, ax = plt.subplots(figsize=(5, 5))
+    published, predicted = np.array([r[1] for r in runs]), np.array([r[2] for r in runs])
+    ax.loglog(published, predicted, "o", color="#4285f4")
+    top = max(published.max(), predicted.max()) * 1.3
+    bottom = min(published.min(), predicted.min()) / 1.3
+    ax.plot([bottom, top], [bottom, top], color="#9e9e9e", linewidth=0.8)
+    ax.set_xlabel("published step time (s)")
+    ax.set_ylabel("predicted step time (s)")
+    errors = np.abs(predicted / published - 1)
+    ax.set_title(f"{len(runs)} published runs: max error {errors.max():.1%}, mean {errors.mean():.1%}", fontsize=9)
+    save_figure(figure, path)
+    plt.close(figure)
+
+
+# ------------------------------------------------------------------------------------------- all of them
+
+
+def make_all(out: str, say: Any = print) -> list[str]:
+    """Draw every figure into ``out``; returns the files written."""
+    os.makedirs(out, exist_ok=True)
+    jobs = [(f"pipeline_{name}.svg", lambda path, n=name, v=v: draw_schedule(build(n, 4, 8, v), path))
+            for name, v in SCHEDULE_FIGURES]
+    jobs += [(f"ring_{phase.replace('-', '_')}.svg", lambda path, ph=phase: draw_ring(4, ph, path))
+             for phase in ("reduce-scatter", "all-gather")]
+    jobs += [("zero_memory.svg", draw_zero), ("mesh.svg", draw_mesh), ("planner_published.svg", draw_planner)]
+    written = []
+    for name, draw in jobs:
+        started = time.perf_counter()
+        draw(os.path.join(out, name))
+        written.append(os.path.join(out, name))
+        say(f"{written[-1]} ({time.perf_counter() - started:.1f} s)")
+    return written

@@ -1,0 +1,88 @@
+"""The figures' data come from the engine and agree with it and with the papers; no test looks at pixels."""
+import os
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from minipar import figures
+from minipar.parallel.layout import Layout
+from minipar.parallel.schedules import build
+from minipar.testing import run_ranks
+
+
+@pytest.mark.parametrize("name,v", figures.SCHEDULE_FIGURES)
+def test_schedule_cells_are_the_action_lists_and_the_bubble_is_the_formula(name, v):
+    schedule = build(name, 4, 8, v)
+    cells = figures.schedule_cells(schedule)
+    for rank in range(schedule.p):
+        drawn = [(c.kind, c.microbatch, c.chunk) for c in sorted((c for c in cells if c.rank == rank),
+                                                                  key=lambda c: c.start)]
+        assert drawn == [tuple(a) for a in schedule.actions(rank)]
+    for rank in range(schedule.p):  # no two passes of a rank overlap
+        mine = sorted((c for c in cells if c.rank == rank), key=lambda c: c.start)
+        assert all(a.start + a.width <= b.start + 1e-12 for a, b in zip(mine, mine[1:]))
+    assert abs(figures.idle_share(cells, schedule.p) - schedule.bubble()) < 1e-12  # float sums of unit costs
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 5])
+def test_ring_transfers_follow_the_documented_plan(p):
+    """ring_reduce_scatter's docstring: at step s rank r sends chunk r−s−1 to r+1, holding the sum of ranks
+    r−s … r; ring_all_gather's: at step s rank r sends the finished chunk r−s. Read back from the bytes sent."""
+    got = {(t.phase, t.step, t.src): t for t in figures.ring_transfers(p)}
+    assert len(got) == 2 * p * (p - 1)
+    for s in range(p - 1):
+        for r in range(p):
+            rs, ag = got[("reduce-scatter", s, r)], got[("all-gather", s, r)]
+            assert (rs.dst, rs.chunk, set(rs.contributors)) == ((r + 1) % p, (r - s - 1) % p,
+                                                                {(r - k) % p for k in range(s + 1)})
+            assert (ag.dst, ag.chunk, ag.contributors) == ((r + 1) % p, (r - s) % p, tuple(range(p)))
+
+
+def test_zero_bars_are_the_zero_papers_figure_1():
+    """Rajbhandari et al. 2020, Figure 1: Ψ = 7.5B, N_d = 64 — 120 GB, 31.4 GB, 16.6 GB, 1.9 GB per device."""
+    bars = figures.zero_memory(7.5e9, 64)
+    assert [round(b / 1e9, 1) for b in bars.values()] == [120.0, 31.4, 16.6, 1.9]
+
+
+def _mesh_matches_the_holdings():
+    from minipar.comm import Communicator
+    from minipar.parallel.mesh import Mesh
+
+    layout = Layout(pp=2, cp=2, tp=2, ep=2, microbatches=2)
+    mesh = Mesh(Communicator(), dp=1, tp=2, pp=2, cp=2, ep=2)
+    row = figures.mesh_holdings(layout, n_layer=4, n_head=4, n_expert=4)[MPI.COMM_WORLD.Get_rank()]
+    assert (row.pp, row.dp, row.cp, row.tp, row.ep) == (mesh.pp_rank, mesh.dp_rank, mesh.cp_rank, mesh.tp_rank,
+                                                        mesh.ep_rank)
+    assert row.layers == ((0, 1) if mesh.pp_rank == 0 else (2, 3))
+    assert row.experts == ((0, 1) if mesh.ep_rank == 0 else (2, 3))
+    assert row.positions == ((0, 3) if mesh.cp_rank == 0 else (1, 2))  # zigzag: an early and a late chunk
+
+
+@pytest.mark.slow  # 8 ranks
+def test_mesh_figure_is_what_each_rank_of_a_real_mesh_holds():
+    run_ranks(8, _mesh_matches_the_holdings, timeout=120)
+
+
+def test_planner_figure_is_the_validation():
+    from minipar.parallel import validation
+    from minipar.parallel.planner import BUILTIN_PROFILES
+
+    runs = figures.published_predictions()
+    assert len(runs) == len(validation.PUBLISHED_RUNS) == 24
+    errors = np.array([pred / pub - 1 for _, pub, pred in runs])
+    profile = BUILTIN_PROFILES["a100-80gb"]
+    expected = validation.errors(profile, validation.fit(profile, validation.PUBLISHED_RUNS), validation.PUBLISHED_RUNS)
+    np.testing.assert_allclose(np.abs(errors), np.abs(expected), rtol=1e-12)
+    assert np.abs(errors).max() <= 0.081
+
+
+def test_every_figure_is_written(tmp_path):
+    from minipar.__main__ import main
+
+    assert main(["figures", "--out", str(tmp_path)]) == 0
+    names = sorted(os.listdir(tmp_path))
+    assert names == sorted([f"pipeline_{n}.svg" for n, _ in figures.SCHEDULE_FIGURES]
+                           + ["ring_reduce_scatter.svg", "ring_all_gather.svg", "zero_memory.svg", "mesh.svg",
+                              "planner_published.svg"])
+    assert all((tmp_path / n).read_text().lstrip().startswith("<?xml") for n in names)
