@@ -22,6 +22,8 @@ setup(
         # torchao's float8 training (emulate=True runs on the CPU) is tests/test_precision.py's FP8 oracle
         "hf": ["transformers>=4.40", "torch", "tokenizers>=0.15", "torchao>=0.10"],
         "plot": ["matplotlib>=3.5"],
+        # docs: mkdocs build --strict of mkdocs.yml, and docs/check_site.py (which drives Debian's chromium)
+        "docs": ["mkdocs-material>=9.5", "matplotlib>=3.5", "playwright>=1.40"],
     },
     entry_points={"console_scripts": ["minipar=minipar.__main__:main"]},
 )

@@ -1,4 +1,4 @@
-"""Every figure of the docs, drawn from the engine's own objects — so a figure cannot disagree with the code.
+"""Every figure of the docs (docs/index.md and the technique pages), drawn from the engine's own objects — so a figure cannot disagree with the code.
 
     python -m minipar figures [--out docs/figures]        # SVGs, through matplotlib (pip install 'minipar[plot]')
 
@@ -65,11 +65,12 @@ def idle_share(cells: list[Cell], p: int) -> float:
     return 1.0 - sum(c.width for c in cells) / (p * makespan)
 
 
-def draw_schedule(schedule: Schedule, path: str) -> None:
+def draw_schedule(schedule: Schedule, path: str, span: float | None = None) -> None:
+    """``span``: the time axis' length, shared by figures drawn to be compared (default: this makespan)."""
     plt = pyplot()
     cells = schedule_cells(schedule)
     makespan = max(c.start + c.width for c in cells)
-    figure, ax = plt.subplots(figsize=(min(16, 2 + makespan * 0.6), 0.5 + 0.45 * schedule.p))
+    figure, ax = plt.subplots(figsize=(10, 0.7 + 0.42 * schedule.p))  # one width for all: the docs show them alike
     ax.barh(range(schedule.p), [makespan] * schedule.p, left=0, height=0.8, color="#eeeeee", hatch="//",
             edgecolor="#cccccc", linewidth=0)  # the bubble: whatever the passes leave uncovered
     from matplotlib.colors import to_rgb
@@ -79,10 +80,10 @@ def draw_schedule(schedule: Schedule, path: str) -> None:
         ax.barh(c.rank, c.width, left=c.start, height=0.8, color=colour if c.chunk == 0 else 0.55 * colour + 0.45,
                 edgecolor="white", linewidth=0.8)
         ax.text(c.start + c.width / 2, c.rank, f"{c.kind}{c.microbatch}" + ("'" * c.chunk), ha="center",
-                va="center", fontsize=6, color="white")
+                va="center", fontsize=6 if makespan < 30 else 5, color="white")
     ax.set_yticks(range(schedule.p), [f"rank {r}" for r in range(schedule.p)])
     ax.invert_yaxis()
-    ax.set_xlim(0, makespan)
+    ax.set_xlim(0, span or makespan)
     ax.set_xlabel("time (a stage's forward = 1)")
     chunks = f", v={schedule.v}" if schedule.v > 1 else ""
     ax.set_title(f"{schedule.name}: p={schedule.p}, m={schedule.m}{chunks} — bubble {schedule.bubble():.1%} "
@@ -205,6 +206,7 @@ def draw_zero(path: str, psi: float = 7.5e9, n: int = 64) -> None:
     for i, b in enumerate(bars.values()):
         ax.text(i, b / 1e9, f"{b / 1e9:.1f} GB", ha="center", va="bottom", fontsize=9)
     ax.set_ylabel("model states per GPU (GB)")
+    ax.set_ylim(0, max(bars.values()) / 1e9 * 1.15)  # room for the largest bar's label
     ax.set_title(f"mixed-precision Adam, Ψ = {psi / 1e9:g}B parameters, N = {n} GPUs: 16Ψ, 4Ψ + 12Ψ/N, "
                  "2Ψ + 14Ψ/N, 16Ψ/N", fontsize=8)
     save_figure(figure, path)
@@ -252,7 +254,7 @@ def draw_mesh(path: str, layout: Layout | None = None, n_layer: int = 4, n_head:
     layout = layout or Layout(dp=2, tp=2, pp=2, cp=2, ep=2, sp=True, schedule="1f1b", microbatches=2)
     rows = mesh_holdings(layout, n_layer, n_head, n_expert)
     inner = layout.cp * layout.tp
-    figure, ax = plt.subplots(figsize=(1.6 * layout.dp * inner + 1, 1.5 * layout.pp + 0.8))
+    figure, ax = plt.subplots(figsize=(1.15 * layout.dp * inner + 1, 1.3 * layout.pp + 0.8))
     colours = ["#bbdefb", "#f8bbd0", "#c8e6c9", "#ffe0b2", "#d1c4e9", "#b2ebf2", "#fff9c4", "#ffccbc"]
     for h in rows:
         x, y = h.dp * (inner + 0.4) + h.cp * layout.tp + h.tp, h.pp * 1.3
@@ -314,7 +316,8 @@ def draw_planner(path: str) -> None:
 def make_all(out: str, say: Any = print) -> list[str]:
     """Draw every figure into ``out``; returns the files written."""
     os.makedirs(out, exist_ok=True)
-    jobs = [(f"pipeline_{name}.svg", lambda path, n=name, v=v: draw_schedule(build(n, 4, 8, v), path))
+    span = max(build(name, 4, 8, v).simulate().makespan for name, v in SCHEDULE_FIGURES)  # one time axis for all
+    jobs = [(f"pipeline_{name}.svg", lambda path, n=name, v=v: draw_schedule(build(n, 4, 8, v), path, span))
             for name, v in SCHEDULE_FIGURES]
     jobs += [(f"ring_{phase.replace('-', '_')}.svg", lambda path, ph=phase: draw_ring(4, ph, path))
              for phase in ("reduce-scatter", "all-gather")]

@@ -15,7 +15,7 @@ LAYERS = [
     ["minipar.nn", "minipar.placement", "minipar.trace", "minipar.data", "minipar.optim"],
     ["minipar.models"],
     ["minipar.parallel"],
-    ["minipar.checkpoint", "minipar.plot"],
+    ["minipar.checkpoint", "minipar.plot", "minipar.figures"],
     ["minipar.cli"],
     ["minipar.train", "minipar.testing", "minipar.launch", "minipar.__main__"],
 ]
