@@ -14,11 +14,22 @@ engine and the papers, and one that draws that data. Nothing here invents a numb
                            paper's Figure 1: Ψ = 7.5B, N = 64)
     mesh.svg               a 5-D layout: which rank holds which layers, heads, sequence chunks and experts
     planner_published.svg  the planner's predicted step time against 24 published Megatron-LM runs
+    pipeline_measured.svg  a 2-stage 1F1B and ZB-H1 step as planned (the logical clock) and as measured (train --trace)
+    loss_precision.svg     the same run's loss in float32, bf16 mixed precision and FP8 (tensorwise, rowwise)
+    expert_load.svg        a MoE's busiest expert over the mean, step by step: no balancing, the auxiliary loss,
+                           the sigmoid router's bias (auxiliary-loss-free)
+
+The measured figures run ``python -m minipar train`` on a tiny model (a few seconds each).
 """
 from __future__ import annotations
 
+import json
 import os
 import queue
+import re
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -33,7 +44,8 @@ from minipar.parallel.mesh import coordinates
 from minipar.parallel.pipeline import stage_blocks
 from minipar.parallel.planner import model_state_bytes
 from minipar.parallel.schedules import Schedule, build
-from minipar.plot import CATEGORIES, pyplot, save_figure
+from minipar.plot import CATEGORIES, load_events, pyplot, save_figure
+from minipar.testing import RANK_ENV, mpiexec
 
 KIND_COLOURS = {"F": CATEGORIES["forward"][1], "B": CATEGORIES["backward"][1], "W": CATEGORIES["weights"][1]}
 SCHEDULE_FIGURES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("dualpipev", 2))
@@ -198,17 +210,21 @@ def zero_memory(psi: float, n: int, itemsize: int = 2) -> dict[str, float]:
             for stage, name in enumerate(("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"))}
 
 
-def draw_zero(path: str, psi: float = 7.5e9, n: int = 64) -> None:
+def draw_zero(path: str, psi: float = 7.5e9, n: int = 64, itemsize: int = 2) -> None:
+    """``itemsize`` 2: mixed precision (the paper's); 4 or 8: pure float32 / float64 (Adam's moments alike)."""
     plt = pyplot()
-    bars = zero_memory(psi, n)
+    bars = zero_memory(psi, n, itemsize)
+    div, unit = next((d, u) for d, u in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "B")) if max(bars.values()) >= d)
     figure, ax = plt.subplots(figsize=(6, 3.2))
-    ax.bar(list(bars), [b / 1e9 for b in bars.values()], color=["#9e9e9e", "#4285f4", "#ab47bc", "#db4437"])
+    ax.bar(list(bars), [b / div for b in bars.values()], color=["#9e9e9e", "#4285f4", "#ab47bc", "#db4437"])
     for i, b in enumerate(bars.values()):
-        ax.text(i, b / 1e9, f"{b / 1e9:.1f} GB", ha="center", va="bottom", fontsize=9)
-    ax.set_ylabel("model states per GPU (GB)")
-    ax.set_ylim(0, max(bars.values()) / 1e9 * 1.15)  # room for the largest bar's label
-    ax.set_title(f"mixed-precision Adam, Ψ = {psi / 1e9:g}B parameters, N = {n} GPUs: 16Ψ, 4Ψ + 12Ψ/N, "
-                 "2Ψ + 14Ψ/N, 16Ψ/N", fontsize=8)
+        ax.text(i, b / div, f"{b / div:.1f} {unit}", ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel(f"model states per rank ({unit})")
+    ax.set_ylim(0, max(bars.values()) / div * 1.15)  # room for the largest bar's label
+    what = "mixed-precision Adam: 16Ψ, 4Ψ + 12Ψ/N, 2Ψ + 14Ψ/N, 16Ψ/N" if itemsize == 2 else \
+        f"Adam, {8 * itemsize}-bit parameters"
+    ax.set_title(f"{what}; Ψ = {f'{psi / 1e9:g}B' if psi >= 1e9 else f'{psi:,.0f}'} parameters, N = {n} ranks",
+                 fontsize=8)
     save_figure(figure, path)
     plt.close(figure)
 
@@ -310,6 +326,127 @@ def draw_planner(path: str) -> None:
     plt.close(figure)
 
 
+# ------------------------------------------------------------------------------------------- measured runs
+
+TINY = ["--n-layer", "4", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "8",
+        "--eval-interval", "0", "--warmup", "2", "--seed", "0"]
+
+
+def train_records(flags: list[str], ranks: int = 1) -> list[dict[str, Any]]:
+    """The step records of ``python -m minipar train --json FLAGS`` (under ``mpiexec -n ranks`` when > 1)."""
+    command = [sys.executable, "-m", "minipar", "train", "--json", *flags]
+    run = subprocess.run(command if ranks == 1 else [mpiexec(), "-n", str(ranks), *command], capture_output=True,
+                         text=True, timeout=600, env={**os.environ, **RANK_ENV})
+    if run.returncode != 0:
+        raise RuntimeError(f"train {' '.join(flags)} failed:\n{run.stderr[-2000:]}")
+    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+
+
+def measured_passes(trace: str) -> dict[int, list[tuple[float, float, str, int, int]]]:
+    """Per rank, the forward/backward/weight passes of the last step of a ``--trace`` file: (start ms, duration ms,
+    kind, microbatch, chunk), in the order they ran, the start relative to that step's first pass."""
+    passes: dict[int, list[tuple[float, float, str, int, int]]] = {}
+    for event in sorted(load_events(trace), key=lambda e: e["ts"]):
+        found = re.fullmatch(r"([FBW])(\d+)(?:\.(\d+))?", event["name"])
+        if found and event["cat"] in ("forward", "backward", "weights"):
+            passes.setdefault(event["pid"], []).append((event["ts"] / 1e3, event["dur"] / 1e3, found.group(1),
+                                                        int(found.group(2)), int(found.group(3) or 0)))
+    return passes
+
+
+def traced_pipeline(name: str, p: int = 2, m: int = 4, steps: int = 3) -> tuple[Schedule, dict[int, list]]:
+    """Run a p-stage pipeline under ``--trace`` and keep each rank's passes of its last step."""
+    schedule = build(name, p, m)
+    per_step = len(schedule.actions(0))
+    with tempfile.TemporaryDirectory() as folder:
+        trace = os.path.join(folder, "trace.json")
+        train_records([*TINY, "--pp", str(p), "--microbatches", str(m), "--schedule", name, "--steps", str(steps),
+                       "--trace", trace], ranks=p)
+        passes = measured_passes(trace)
+    last = {r: rows[-per_step:] for r, rows in passes.items()}
+    origin = min(rows[0][0] for rows in last.values())
+    return schedule, {r: [(t - origin, d, k, i, c) for t, d, k, i, c in rows] for r, rows in last.items()}
+
+
+def draw_trace_vs_plan(path: str, names: tuple[str, ...] = ("1f1b", "zb-h1")) -> None:
+    plt = pyplot()
+    figure, axes = plt.subplots(len(names), 2, figsize=(11, 1.3 * len(names) + 0.8), squeeze=False)
+    for row, name in enumerate(names):
+        schedule, measured = traced_pipeline(name)
+        panels = ((axes[row][0], [(c.rank, c.start, c.width, c.kind, c.microbatch) for c in schedule_cells(schedule)],
+                   "planned (a stage's forward = 1)"),
+                  (axes[row][1], [(r, t, d, k, i) for r, rows in measured.items() for t, d, k, i, _ in rows],
+                   "measured by --trace (ms)"))
+        for ax, cells, unit in panels:
+            for rank, start, width, kind, microbatch in cells:
+                ax.barh(rank, width, left=start, height=0.8, color=KIND_COLOURS[kind], edgecolor="white")
+                ax.text(start + width / 2, rank, f"{kind}{microbatch}", ha="center", va="center", fontsize=6,
+                        color="white")
+            ax.set_yticks(range(schedule.p), [f"rank {r}" for r in range(schedule.p)])
+            ax.invert_yaxis()
+            ax.set_title(f"{schedule.name}, p={schedule.p}, m={schedule.m}: {unit}", fontsize=8)
+    figure.tight_layout()
+    save_figure(figure, path)
+    plt.close(figure)
+
+
+PRECISIONS = (("float32", []), ("bf16 mixed", ["--precision", "bf16-mixed"]),
+              ("fp8 tensorwise", ["--precision", "fp8", "--fp8-recipe", "tensorwise"]),
+              ("fp8 rowwise", ["--precision", "fp8", "--fp8-recipe", "rowwise"]))
+
+
+def precision_losses(steps: int = 60) -> dict[str, list[float]]:
+    """The training loss of one run (same seed, same batches) in each precision."""
+    return {label: [r["loss"] for r in train_records([*TINY, "--steps", str(steps), *flags]) if "loss" in r]
+            for label, flags in PRECISIONS}
+
+
+def draw_precision(path: str) -> None:
+    plt = pyplot()
+    losses = precision_losses()
+    reference = np.array(losses["float32"])
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True, height_ratios=(2, 1))
+    for label, curve in losses.items():
+        steps = range(1, len(curve) + 1)
+        top.plot(steps, curve, label=label, linewidth=1)
+        bottom.plot(steps, np.array(curve) - reference, label=label, linewidth=1)
+    top.set_ylabel("training loss")
+    top.legend(fontsize=8)
+    top.set_title("one run in four precisions (GPT L=4 C=32, same seed and batches): the curves overlap", fontsize=9)
+    bottom.set_ylabel("loss − float32's")
+    bottom.set_xlabel("step")
+    save_figure(figure, path)
+    plt.close(figure)
+
+
+BALANCING = (("no balancing", ["--aux-loss-coef", "0"]), ("auxiliary loss 0.01", ["--aux-loss-coef", "0.01"]),
+             ("sigmoid router + bias (γ = 0.01)", ["--router", "sigmoid", "--aux-loss-coef", "0", "--bias-update",
+                                                  "0.01"]))
+
+
+def expert_loads(steps: int = 60) -> dict[str, list[float]]:
+    """Per balancing method, each step's busiest expert's load over the mean, averaged over the MoE layers (the
+    step record's ``load_max_over_mean``, one value per layer), 8 experts, top-2, dropless."""
+    moe = ["--n-expert", "8", "--expert-top-k", "2", "--capacity-factor", "0", "--steps", str(steps)]
+    return {label: [float(np.mean(r["experts"]["load_max_over_mean"])) for r in train_records([*TINY, *moe, *flags])
+                    if "loss" in r] for label, flags in BALANCING}
+
+
+def draw_expert_load(path: str) -> None:
+    plt = pyplot()
+    loads = expert_loads()
+    figure, ax = plt.subplots(figsize=(7, 3.5))
+    for label, curve in loads.items():
+        ax.plot(range(1, len(curve) + 1), curve, label=label, linewidth=1)
+    ax.axhline(1.0, color="#9e9e9e", linewidth=0.8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("busiest expert's tokens / mean\n(mean over the 4 layers)")
+    ax.legend(fontsize=8)
+    ax.set_title("expert load, 8 experts, top-2, dropless (1.0: perfectly balanced)", fontsize=9)
+    save_figure(figure, path)
+    plt.close(figure)
+
+
 # ------------------------------------------------------------------------------------------- all of them
 
 
@@ -321,7 +458,9 @@ def make_all(out: str, say: Any = print) -> list[str]:
             for name, v in SCHEDULE_FIGURES]
     jobs += [(f"ring_{phase.replace('-', '_')}.svg", lambda path, ph=phase: draw_ring(4, ph, path))
              for phase in ("reduce-scatter", "all-gather")]
-    jobs += [("zero_memory.svg", draw_zero), ("mesh.svg", draw_mesh), ("planner_published.svg", draw_planner)]
+    jobs += [("zero_memory.svg", draw_zero), ("mesh.svg", draw_mesh), ("planner_published.svg", draw_planner),
+             ("pipeline_measured.svg", draw_trace_vs_plan), ("loss_precision.svg", draw_precision),
+             ("expert_load.svg", draw_expert_load)]
     written = []
     for name, draw in jobs:
         started = time.perf_counter()

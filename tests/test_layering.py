@@ -15,9 +15,9 @@ LAYERS = [
     ["minipar.nn", "minipar.placement", "minipar.trace", "minipar.data", "minipar.optim"],
     ["minipar.models"],
     ["minipar.parallel"],
-    ["minipar.checkpoint", "minipar.plot", "minipar.figures"],
+    ["minipar.checkpoint", "minipar.plot"],
     ["minipar.cli"],
-    ["minipar.train", "minipar.testing", "minipar.launch", "minipar.__main__"],
+    ["minipar.train", "minipar.testing", "minipar.launch", "minipar.figures", "minipar.__main__"],
 ]
 ALLOWED_CYCLES = {frozenset({"minipar.autograd", "minipar.ops"})}
 

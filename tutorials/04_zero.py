@@ -1,12 +1,14 @@
 """Tutorial 4: ZeRO — shard the optimizer state, then the gradients, then the parameters.
 
-    mpiexec -n 4 python tutorials/04_zero.py
+    mpiexec -n 4 python tutorials/04_zero.py [--plot zero.svg]     (--plot: the model states per rank, drawn)
 
 All-reduce = reduce-scatter + all-gather: ZeRO keeps the two halves apart so that each rank only
 ever holds 1/p of what it does not need right now. For each stage this trains 5 float64 steps,
 checks the losses and parameters against one process, and prints the counted model-state memory
 and bytes sent.
 """
+import sys
+
 import numpy as np
 
 from minipar.comm import Communicator
@@ -67,4 +69,8 @@ say("every stage: the same 5 losses and final parameters as one process (rtol 1e
 assert totals[3] <= 1.05 * totals[0] / p
 say(f"ZeRO-3 holds {totals[3] / totals[0]:.3f} of DP's model state (1/p = {1 / p:.3f}); it sends 1.5× DP's bytes "
     f"(all-gather in forward, again in backward, reduce-scatter)")
+if "--plot" in sys.argv and r == 0:  # --plot FILE.svg: DP and ZeRO-1/2/3's model states for this Ψ on p ranks
+    from minipar.figures import draw_zero
+
+    draw_zero(sys.argv[sys.argv.index("--plot") + 1], psi=psi, n=p, itemsize=8)  # float64
 say("tutorial 4: all invariants hold")

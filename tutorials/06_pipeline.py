@@ -1,6 +1,6 @@
 """Tutorial 6: pipeline parallelism — GPipe → 1F1B → interleaved 1F1B → zero bubble (ZB-H1) → DualPipeV.
 
-    mpiexec -n 4 python tutorials/06_pipeline.py
+    mpiexec -n 4 python tutorials/06_pipeline.py [--plot DIR]     (--plot: each schedule drawn into DIR)
 
 The model (8 blocks) is cut into stages, one per rank; a step of m = 8 microbatches is run with each
 schedule in turn. Every rank checks the losses and its stage's gradients against a single-process run,
@@ -20,6 +20,7 @@ Each schedule is an object (minipar/parallel/schedules.py): its placement, every
 The wall-clock timeline of the last run is drawn at the end.
 """
 import os
+import sys
 import tempfile
 
 import numpy as np
@@ -87,4 +88,12 @@ say("GPipe keeps all m microbatches alive before its first backward; 1F1B starts
 say("is full, so stage s never holds more than p − s: the same bubble, far less memory. Interleaving halves the")
 say("ramp by giving each rank two thinner stages; ZB-H1 fills what is left with the deferred weight gradients;")
 say("DualPipeV folds two thinner stages per rank into a V and halves ZB-H1's bubble again, for 2p + 1 chunks held.")
+if "--plot" in sys.argv and s == 0:  # --plot DIR: each schedule's passes and its bubble, drawn (minipar.figures)
+    from minipar.figures import SCHEDULE_FIGURES, draw_schedule
+
+    folder = sys.argv[sys.argv.index("--plot") + 1]
+    os.makedirs(folder, exist_ok=True)
+    for kind, v in SCHEDULE_FIGURES:
+        draw_schedule(build(kind, p, m, v), os.path.join(folder, f"pipeline_{kind}.svg"))
+    say(f"drew the schedules into {folder}/")
 say("tutorial 6: all invariants hold")

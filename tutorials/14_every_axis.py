@@ -1,6 +1,6 @@
 """Tutorial 14: composing every axis — dp · tp (with sp) · pp · cp · ep in one run, equal to one process.
 
-    python tutorials/14_every_axis.py          (it starts mpiexec -n 16 itself)
+    python tutorials/14_every_axis.py [--plot mesh.svg]    (it starts mpiexec -n 16 itself; --plot: the mesh, drawn)
 
 Five axes of degree 2 take 2·2·2·2 = 16 ranks: expert parallelism is carved out of the dp·cp replicas,
 so ep 2 adds none. The model is a mixture of experts (4 experts, top-2, capacity 0.5, so tokens
@@ -13,6 +13,7 @@ drop) trained in float64 under DualPipeV with 4 microbatches.
 4. What each axis sent in one step, by label.
 """
 import os
+import sys
 import tempfile
 
 import numpy as np
@@ -61,4 +62,8 @@ for label, count in sorted(sent.items(), key=lambda item: -item[1]):
 for label in ("cp_forward", "cp_moe_route", "sp_moe_forward", "ep_forward", "grads"):
     assert sent.get(label, 0) > 0, label
 assert np.isfinite(parallel[0][-1]["loss"])
+if "--plot" in sys.argv:  # --plot FILE.svg: which rank holds which layers, heads, sequence chunks and experts
+    from minipar.figures import draw_mesh
+
+    draw_mesh(sys.argv[sys.argv.index("--plot") + 1], layout, n_layer=4, n_head=2, n_expert=4)
 print("tutorial 14: all invariants hold")
