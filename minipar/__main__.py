@@ -64,7 +64,7 @@ def generate(args: argparse.Namespace) -> None:
 def figures(args: argparse.Namespace) -> None:
     from minipar.figures import make_all
 
-    make_all(args.out)
+    make_all(args.out, only=tuple(args.only))
 
 
 def trace_plot(args: argparse.Namespace) -> None:
@@ -322,10 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the train command and its flags (--save required)")
     fig = commands.add_parser("figures", help="draw every figure of the docs from the engine's own objects (SVG)",
                               formatter_class=HelpWithDefaults,
-                              description="Regenerate the docs' figures: pipeline schedules, ring collectives, ZeRO "
-                                          "memory, the mesh, the planner against published runs (needs: pip install "
+                              description="Regenerate the docs' figures: pipeline schedules (planned and measured), ring "
+                                          "collectives, ZeRO memory, the mesh, the planner against published runs, "
+                                          "loss per precision, expert load, activation memory (needs: pip install "
                                           "'minipar[plot]').")
     fig.add_argument("--out", default=os.path.join("docs", "figures"), metavar="DIR", help="where the SVGs go")
+    fig.add_argument("--only", nargs="+", default=(), metavar="NAME.svg", help="draw only these figures")
     tplot = commands.add_parser("trace-plot", help="draw a --trace timeline (text, and a PNG with -o)",
                                 description="Draw the per-rank timeline written by train --trace.",
                                 formatter_class=HelpWithDefaults)

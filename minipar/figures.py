@@ -18,6 +18,8 @@ engine and the papers, and one that draws that data. Nothing here invents a numb
     loss_precision.svg     the same run's loss in float32, bf16 mixed precision and FP8 (tensorwise, rowwise)
     expert_load.svg        a MoE's busiest expert over the mean, step by step: no balancing, the auxiliary loss,
                            the sigmoid router's bias (auxiliary-loss-free)
+    activation_memory.svg  a step's peak bytes against the sequence length for each --recompute mode (--peak-memory),
+                           beside what activation_elements says a forward keeps
 
 The measured figures run ``python -m minipar train`` on a tiny model (a few seconds each).
 """
@@ -328,8 +330,9 @@ def draw_planner(path: str) -> None:
 
 # ------------------------------------------------------------------------------------------- measured runs
 
-TINY = ["--n-layer", "4", "--n-head", "2", "--n-embd", "32", "--block-size", "32", "--batch-size", "8",
-        "--eval-interval", "0", "--warmup", "2", "--seed", "0"]
+TINY_MODEL = {"n_layer": 4, "n_head": 2, "n_embd": 32, "vocab_size": 256}  # the embedded corpus' bytes
+TINY = [*(f for k, v in TINY_MODEL.items() if k != "vocab_size" for f in (f"--{k.replace('_', '-')}", str(v))),
+        "--block-size", "32", "--batch-size", "8", "--eval-interval", "0", "--warmup", "2", "--seed", "0"]
 
 
 def train_records(flags: list[str], ranks: int = 1) -> list[dict[str, Any]]:
@@ -447,11 +450,46 @@ def draw_expert_load(path: str) -> None:
     plt.close(figure)
 
 
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def activation_peaks(lengths: tuple[int, ...] = (32, 64, 128, 256), batch: int = 4) -> dict[str, list[int]]:
+    """Per --recompute mode, each sequence length's peak host bytes in a training step, as ``--peak-memory``
+    measures it (tracemalloc; the model states included): one process, the tiny GPT, batch 4, float32."""
+    peaks: dict[str, list[int]] = {}
+    for mode in RECOMPUTE_MODES:
+        for t in lengths:
+            flags = [*TINY, "--block-size", str(t), "--batch-size", str(batch), "--recompute", mode, "--steps", "3",
+                     "--peak-memory"]
+            peaks.setdefault(mode, []).append(max(r["peak_bytes"]["max"] for r in train_records(flags) if "loss" in r))
+    return peaks
+
+
+def draw_activation_memory(path: str, lengths: tuple[int, ...] = (32, 64, 128, 256), batch: int = 4) -> None:
+    from minipar.models.gpt import GPTConfig, activation_elements
+
+    plt = pyplot()
+    peaks = activation_peaks(lengths, batch)
+    figure, ax = plt.subplots(figsize=(7, 3.8))
+    for (mode, curve), colour in zip(peaks.items(), ("#db4437", "#4285f4", "#0f9d58")):
+        ax.plot(lengths, [b / 1e6 for b in curve], "o-", color=colour, label=f"--recompute {mode}: measured peak")
+        kept = [activation_elements(GPTConfig(block_size=t, **TINY_MODEL), batch, mode) * 4 / 1e6 for t in lengths]
+        ax.plot(lengths, kept, "--", color=colour, label=f"{mode}: kept for backward (activation_elements)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(t) for t in lengths])
+    ax.set_xlabel("sequence length T")
+    ax.set_ylabel("MB")
+    ax.legend(fontsize=7)
+    ax.set_title(f"one process, GPT L=4 C=32 H=2, batch {batch}, float32: train --peak-memory", fontsize=9)
+    save_figure(figure, path)
+    plt.close(figure)
+
+
 # ------------------------------------------------------------------------------------------- all of them
 
 
-def make_all(out: str, say: Any = print) -> list[str]:
-    """Draw every figure into ``out``; returns the files written."""
+def make_all(out: str, say: Any = print, only: tuple[str, ...] = ()) -> list[str]:
+    """Draw every figure (or those named in ``only``) into ``out``; returns the files written."""
     os.makedirs(out, exist_ok=True)
     span = max(build(name, 4, 8, v).simulate().makespan for name, v in SCHEDULE_FIGURES)  # one time axis for all
     jobs = [(f"pipeline_{name}.svg", lambda path, n=name, v=v: draw_schedule(build(n, 4, 8, v), path, span))
@@ -460,7 +498,12 @@ def make_all(out: str, say: Any = print) -> list[str]:
              for phase in ("reduce-scatter", "all-gather")]
     jobs += [("zero_memory.svg", draw_zero), ("mesh.svg", draw_mesh), ("planner_published.svg", draw_planner),
              ("pipeline_measured.svg", draw_trace_vs_plan), ("loss_precision.svg", draw_precision),
-             ("expert_load.svg", draw_expert_load)]
+             ("expert_load.svg", draw_expert_load), ("activation_memory.svg", draw_activation_memory)]
+    unknown = set(only or ()) - {name for name, _ in jobs}
+    if unknown:
+        raise ValueError(f"no figure called {', '.join(sorted(unknown))}: the figures are "
+                         f"{', '.join(name for name, _ in jobs)}")
+    jobs = [(name, draw) for name, draw in jobs if not only or name in only]
     written = []
     for name, draw in jobs:
         started = time.perf_counter()
