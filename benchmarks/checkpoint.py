@@ -46,7 +46,7 @@ def main() -> None:
     folders = {"disk": tempfile.mkdtemp(prefix="minipar-ckpt-", dir=os.getcwd())}
     if os.path.isdir("/dev/shm"):
         folders["/dev/shm"] = tempfile.mkdtemp(prefix="minipar-ckpt-", dir="/dev/shm")
-    print(f"{cpu_model()}, {os.cpu_count()} cores; {args.steps} steps, --save-interval 1, median of {args.repeats}")
+    print(f"{cpu_model()}; {args.steps} steps, --save-interval 1, median of {args.repeats}")
     print(f"{'where':<10} {'BLAS threads':>12} {'step, no save (ms)':>19} {'sync save cost (ms)':>20} "
           f"{'async save cost (ms)':>21} {'async/sync':>11}")
     try:

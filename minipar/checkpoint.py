@@ -94,10 +94,6 @@ class CheckpointWriter:
 
         def run() -> None:
             try:
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # Linux: this thread only
-            except (AttributeError, OSError):
-                pass
-            try:
                 write()
             except BaseException as e:  # noqa: BLE001 (handed to the training thread by wait)
                 self._error = e

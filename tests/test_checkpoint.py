@@ -126,6 +126,7 @@ def test_damaged_step_is_one_clear_error(saved_dp2_tp2, tmp_path, how, message):
     assert str(err.value).count(message) == 1 and "Traceback" not in str(err.value) and "exit 2" in str(err.value)
 
 
+@pytest.mark.slow  # 2.6 s: the fast subset detects damage in test_damaged_step_is_one_clear_error; launch's tests too
 @pytest.mark.parametrize("how", ["interrupted", "corrupted", "unreadable-manifest", "tokenizer"])
 def test_damaged_newest_checkpoint_falls_back(saved_dp2_tp2, tmp_path, how):
     """Resuming from a --save directory skips a damaged newest step, says so, and takes the last complete one."""
@@ -183,6 +184,7 @@ def test_step_directories_are_found_by_number(tmp_path):
                                                                       "step_000009"]
 
 
+@pytest.mark.slow  # 4 s: the fast subset resumes bit for bit in test_kill_and_resume and test_resume_restores_every_state
 def test_one_process_saves_a_complete_checkpoint_and_resumes_it_bit_for_bit(tmp_path):
     """One rank writes every shard, the manifest and `latest` itself; 4 steps equal 2 + 2 resumed, to the bit."""
     whole = train(1, ["--steps", "4"])

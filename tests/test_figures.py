@@ -64,6 +64,7 @@ def test_mesh_figure_is_what_each_rank_of_a_real_mesh_holds():
     run_ranks(8, _mesh_matches_the_holdings, timeout=120)
 
 
+@pytest.mark.slow  # 1 s: fits the validation's constants; tests/test_planner.py checks the validation itself
 def test_planner_figure_is_the_validation():
     from minipar.parallel import validation
     from minipar.parallel.planner import BUILTIN_PROFILES
