@@ -190,7 +190,7 @@ def test_three_kills_end_bit_identical(launched, reference, tmp_path):
     assert_bit_identical(final_params(save), reference)
 
 
-@pytest.mark.slow  # ~12 s: four starts, writes slowed to 0.2 s a file
+@pytest.mark.slow  # ~12 s: four starts, writes slowed to 0.1 s a file
 def test_kill_during_a_write_and_the_local_tier(launched, reference, tmp_path):
     """A fast tier every 2 steps beside the durable one every 6: a kill during a (slowed) write restarts from the
     newest complete checkpoint — the local one — never from the half-written step; with the local tier gone (lost
@@ -198,7 +198,7 @@ def test_kill_during_a_write_and_the_local_tier(launched, reference, tmp_path):
     save, local = str(tmp_path / "c"), str(tmp_path / "shm")
     run = launched(["-n", "2", "--", "train", *MODEL, *SAME_LAYOUT, "--save", save, "--save-interval", "6",
                     "--local-save", local, "--local-save-interval", "2"], save,
-                   env={"MINIPAR_CHECKPOINT_WRITE_DELAY": "0.2"})
+                   env={"MINIPAR_CHECKPOINT_WRITE_DELAY": "0.1"})
     run.reach(9)
     run.kill(1)
     in_flight = [int(d[5:]) for root in (save, local) for d in os.listdir(root) if d.startswith("step_")
