@@ -1,12 +1,14 @@
 """Tutorial 2: collectives from point-to-point messages, and the α-β-γ cost model.
 
-    mpiexec -n 4 python tutorials/02_collectives.py
+    mpiexec -n 4 python tutorials/02_collectives.py [--plot DIR]   (--plot: the ring's steps for p ranks, drawn)
 
 1. Watch a ring reduce-scatter + all-gather move chunks around (p − 1 steps each).
 2. Calibrate α (latency), β (seconds/byte) and γ (seconds/byte to reduce) on this machine.
 3. For each algorithm, compare counted bytes with the formula, and the model's time with the clock.
 Every rank checks its result against MPI's own Allreduce.
 """
+import os
+import sys
 import time
 
 import numpy as np
@@ -91,4 +93,12 @@ say("   Latency dominates small messages (recursive doubling's log₂p messages 
 say("   bandwidth dominates large ones (the ring sends 2(p−1)/p·n instead of log₂p·n).")
 bounds = chunk_bounds(10, p)
 say(f"   (uneven sizes are fine: n = 10 on {p} ranks cuts into chunks {[bounds[i + 1] - bounds[i] for i in range(p)]})")
+if "--plot" in sys.argv and r == 0:  # --plot DIR: each step of the ring as the real algorithm sent it
+    from minipar.figures import draw_ring
+
+    folder = sys.argv[sys.argv.index("--plot") + 1]
+    os.makedirs(folder, exist_ok=True)
+    for phase in ("reduce-scatter", "all-gather"):
+        draw_ring(p, phase, os.path.join(folder, f"ring_{phase.replace('-', '_')}.svg"))
+    say(f"drew the ring's steps into {folder}/")
 say("tutorial 2: all invariants hold")
