@@ -119,30 +119,27 @@ class Transfer:
     contributors: tuple[int, ...]  # whose values the chunk carries summed
 
 
-class _Threads:
-    """p ranks as threads exchanging arrays through queues — enough of a communicator for the ring collectives —
-    recording what each rank sends."""
+class _Wires:
+    """Queues between p threads, one per (sender, receiver), and a record of every message sent."""
 
     def __init__(self, p: int):
         self.queues = {(a, b): queue.Queue() for a in range(p) for b in range(p)}
         self.sent: list[tuple[int, int, int, np.ndarray]] = []  # (rank, its call number, destination, copy)
         self.lock = threading.Lock()
 
-    def rank(self, r: int, size: int) -> Any:
-        threads, calls = self, [0]
 
-        class Comm:
-            rank = r
+class _ThreadRank:
+    """Rank ``rank`` of p threads — as much of a communicator as the ring collectives use (size, rank, sendrecv)."""
 
-            def sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int, tag: int) -> None:
-                with threads.lock:
-                    threads.sent.append((r, calls[0], dest, np.array(send)))
-                calls[0] += 1
-                threads.queues[(r, dest)].put(np.array(send))
-                recv[...] = threads.queues[(source, r)].get(timeout=10)
+    def __init__(self, wires: _Wires, rank: int, size: int):
+        self.wires, self.rank, self.size, self.calls = wires, rank, size, 0
 
-        Comm.size = size
-        return Comm()
+    def sendrecv(self, send: np.ndarray, dest: int, recv: np.ndarray, source: int, tag: int) -> None:
+        with self.wires.lock:
+            self.wires.sent.append((self.rank, self.calls, dest, np.array(send)))
+        self.calls += 1
+        self.wires.queues[(self.rank, dest)].put(np.array(send))
+        recv[...] = self.wires.queues[(source, self.rank)].get(timeout=10)
 
 
 def ring_transfers(p: int, chunk: int = 2) -> list[Transfer]:
@@ -150,12 +147,12 @@ def ring_transfers(p: int, chunk: int = 2) -> list[Transfer]:
 
     Rank r's input has chunk c filled with c + 2**(r + 8): a partial sum over a set S of ranks then holds
     |S|·c + Σ_{r∈S} 2**(r + 8), so the chunk index and its contributors are read from the values sent alone."""
-    threads = _Threads(p)
+    wires = _Wires(p)
     bounds = chunk_bounds(p * chunk, p)
     buffers = [np.repeat(np.arange(p, dtype=np.float64), chunk) + 2.0 ** (r + 8) for r in range(p)]
 
     def run(r: int) -> None:
-        comm = threads.rank(r, p)
+        comm = _ThreadRank(wires, r, p)
         ring_reduce_scatter(comm, buffers[r], "sum", 0, bounds)
         ring_all_gather(comm, buffers[r], 0, bounds)
 
@@ -168,7 +165,7 @@ def ring_transfers(p: int, chunk: int = 2) -> list[Transfer]:
     if not all(np.array_equal(b, expected) for b in buffers):
         raise AssertionError("the ring did not compute the sum")
     transfers = []
-    for r, call, dest, data in sorted(threads.sent, key=lambda t: (t[1], t[0])):
+    for r, call, dest, data in sorted(wires.sent, key=lambda t: (t[1], t[0])):
         value = int(data[0])
         ranks = tuple(q for q in range(p) if value >> (q + 8) & 1)
         phase = "reduce-scatter" if call < p - 1 else "all-gather"
