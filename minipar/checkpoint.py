@@ -160,6 +160,15 @@ def save_checkpoint(root: str, step: int, state: dict[str, dict[str, np.ndarray]
     training = dict(training or {})
 
     def write() -> None:
+        try:
+            write_files()
+        except OSError as e:  # any file of the save (a shard, an entry, the tokenizer's, the manifest): a full disk
+            if e.filename is None:  # not a file's (the wait for the other ranks' entries)
+                raise
+            raise OSError(f"checkpoint: cannot write {e.filename} ({e.strerror or e}); the checkpoints written before "
+                          "it are kept") from None
+
+    def write_files() -> None:
         os.makedirs(step_dir, exist_ok=True)
         for name, blob, position in files:
             entry = {**_write(step_dir, name, [blob]), **position}
@@ -208,18 +217,14 @@ def step_path(root: str, step: int) -> str:
 
 def _write(step_dir: str, name: str, chunks: list[bytes] | list[np.ndarray] | None) -> dict[str, Any]:
     """Write ``chunks`` atomically to a file of ``step_dir`` (None: the file is there already); its manifest entry
-    (name, size, sha256). A failed write (a full disk) names the file and says the previous checkpoint is kept."""
+    (name, size, sha256)."""
     path = os.path.join(step_dir, name)
     if chunks is None:
         with open(path, "rb") as f:
             chunks = [f.read()]
     else:
         time.sleep(float(os.environ.get(WRITE_DELAY_ENV, 0)))
-        try:
-            atomic_write(path, chunks)
-        except OSError as e:
-            raise OSError(f"checkpoint: cannot write {path} ({e.strerror or e}); the checkpoints written before "
-                          "it are kept") from None
+        atomic_write(path, chunks)
     digest = hashlib.sha256()
     for chunk in chunks:
         digest.update(chunk)

@@ -184,8 +184,8 @@ class Launcher:
         os.makedirs(self.launch_dir, exist_ok=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self.on_signal)
+        found, notes = newest_checkpoint(self.train.save, self.train.local_save)  # verified: every file's sha256
         while True:
-            found, notes = newest_checkpoint(self.train.save, self.train.local_save)
             for note in notes:
                 if note not in said:  # a damaged checkpoint stays damaged: said once
                     say(note)
@@ -212,14 +212,15 @@ class Launcher:
                 say(f"the job stopped with an error, not a fault: not restarting ({attempt.error or 'see above'})")
                 return FAILED_BY_ERROR
             who, host, how = self.culprit(attempt)
-            found, _ = newest_checkpoint(self.train.save, self.train.local_save)
+            found, notes = newest_checkpoint(self.train.save, self.train.local_save)  # what the restart takes
             kept = found.step if found else 0
             at = max(attempt.last_step, kept) + 1  # the step it was in (at least: --log-interval may hide some)
             redone += max(0, attempt.last_step - kept)
             lost += attempt.ended - attempt.step_times.get(kept, attempt.started)
             previous_failure_end = attempt.ended
             if restarts == self.args.max_restarts:
-                say(f"{who} {how} at step {at}; --max-restarts {self.args.max_restarts} used up: giving up" + (f" (last error: {attempt.error})" if attempt.error else ""))
+                say(f"{who} {how} at step {at}; --max-restarts {self.args.max_restarts} used up: giving up"
+                    + (f" (last error: {attempt.error})" if attempt.error else ""))
                 return attempt.returncode or 1
             restarts += 1
             strikes = (host, strikes[1] + 1 if strikes[0] == host else 1)

@@ -36,7 +36,8 @@ DEFAULT_MAX_SHARD_BYTES = 50 * 10**9  # transformers' save_pretrained default, m
 
 def atomic_write(path: str, chunks: list[bytes | memoryview]) -> None:
     """Write to ``path.tmp-<pid>``, fsync, then rename: readers see the old file or the new, never half.
-    On any error the temporary file is removed, so a failed write leaves nothing behind."""
+    On any error the temporary file is removed, so a failed write leaves nothing behind; an OSError names ``path``
+    (its ``filename``: a failed ``write`` names no file, a failed open or rename the temporary)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -45,9 +46,11 @@ def atomic_write(path: str, chunks: list[bytes | memoryview]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.lexists(tmp) and not os.path.isdir(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError):
+            e.filename, e.filename2 = path, None
         raise
 
 

@@ -338,7 +338,27 @@ def test_a_failed_atomic_write_leaves_nothing_and_raises_its_own_error(tmp_path)
     with pytest.raises(FileNotFoundError) as err:
         atomic_write(str(tmp_path / "no-such-dir" / "x.json"), [b"{}"])
     assert err.value.__context__ is None  # open's own error, not one raised cleaning up a file never made
+    assert err.value.filename == str(tmp_path / "no-such-dir" / "x.json")  # the file asked for, not the temporary
     assert os.listdir(tmp_path) == []  # neither file nor temporary
+
+
+def test_a_write_past_the_file_size_limit_names_the_file(tmp_path):
+    """A full disk seen through RLIMIT_FSIZE (Python ignores SIGXFSZ, so write raises EFBIG): f.write's error names
+    no file; atomic_write's names the one asked for, and leaves nothing behind."""
+    import errno
+    import resource
+
+    from minipar.safetensors_io import atomic_write
+
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1000, limits[1]))
+    try:
+        with pytest.raises(OSError) as err:
+            atomic_write(str(tmp_path / "big.bin"), [b"x" * 4000])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+    assert err.value.errno == errno.EFBIG and err.value.filename == str(tmp_path / "big.bin")
+    assert os.listdir(tmp_path) == []
 
 
 def test_generate_keeps_a_float64_checkpoint_float64(tmp_path, capsys):
