@@ -189,20 +189,7 @@ class Llama(GPT):
         hf = read_hf_weights(directory)
         state = embeddings_from_hf(hf, cfg, directory)
         for i in range(cfg.n_layer):
-            h, p = f"transformer.h.{i}.", f"model.layers.{i}."
-            state[h + "ln_1.weight"] = hf.pop(p + "input_layernorm.weight")
-            state[h + "ln_2.weight"] = hf.pop(p + "post_attention_layernorm.weight")
-            state[h + "attn.c_attn.weight"] = np.concatenate([hf.pop(f"{p}self_attn.{n}_proj.weight").T for n in "qkv"], 1)
-            state[h + "attn.c_proj.weight"] = hf.pop(p + "self_attn.o_proj.weight").T
-            if cfg.n_expert:  # Mixtral: the router, and each expert's w1 (gate), w3 (up), w2 (down)
-                m = p + "block_sparse_moe."
-                state[h + "mlp.router.weight"] = hf.pop(m + "gate.weight").T
-                experts = [[hf.pop(f"{m}experts.{j}.{w}.weight") for j in range(cfg.n_expert)] for w in ("w1", "w3", "w2")]
-                state[h + "mlp.c_fc.weight"], state[h + "mlp.c_proj.weight"] = stack_experts(*experts)
-            else:
-                state[h + "mlp.c_fc.weight"] = np.concatenate([hf.pop(f"{p}mlp.{n}_proj.weight").T
-                                                              for n in ("gate", "up")], 1)
-                state[h + "mlp.c_proj.weight"] = hf.pop(p + "mlp.down_proj.weight").T
+            state.update(layer_from_hf(hf, cfg, i, MIXTRAL_EXPERTS if cfg.n_expert else None))
         refuse_leftovers(hf, directory, "a Llama")
         model = cls(cfg)
         model.load_state_dict({name: np.ascontiguousarray(value) for name, value in state.items()})
@@ -221,22 +208,7 @@ class Llama(GPT):
         H, K, D, C = cfg.n_head, cfg.kv_heads, cfg.head_dim, cfg.n_embd
         hf = embeddings_to_hf(state, cfg)
         for i in range(cfg.n_layer):
-            h, p = f"transformer.h.{i}.", f"model.layers.{i}."
-            hf[p + "input_layernorm.weight"] = state[h + "ln_1.weight"]
-            hf[p + "post_attention_layernorm.weight"] = state[h + "ln_2.weight"]
-            q, k, v = np.split(state[h + "attn.c_attn.weight"], [H * D, (H + K) * D], axis=1)
-            for n, w in zip("qkv", (q, k, v)):
-                hf[f"{p}self_attn.{n}_proj.weight"] = w.T
-            hf[p + "self_attn.o_proj.weight"] = state[h + "attn.c_proj.weight"].T
-            if cfg.n_expert:
-                m = p + "block_sparse_moe."
-                hf[m + "gate.weight"] = state[h + "mlp.router.weight"].T
-                for j, weights in enumerate(unstack_experts(state[h + "mlp.c_fc.weight"], state[h + "mlp.c_proj.weight"])):
-                    hf.update({f"{m}experts.{j}.{w}.weight": a for w, a in zip(("w1", "w3", "w2"), weights)})
-                continue
-            gate, up = np.split(state[h + "mlp.c_fc.weight"], 2, axis=1)
-            hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"] = gate.T, up.T
-            hf[p + "mlp.down_proj.weight"] = state[h + "mlp.c_proj.weight"].T
+            hf.update(layer_to_hf(state, cfg, i, MIXTRAL_EXPERTS if cfg.n_expert else None))
         os.makedirs(directory, exist_ok=True)
         end_of_text = save_tokenizer(directory, cfg.vocab_size, cfg.block_size, tokenizer)
         moe = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_local_experts": cfg.n_expert,
@@ -282,6 +254,52 @@ def embeddings_to_hf(state: dict[str, np.ndarray], cfg: LlamaConfig) -> dict[str
     """The inverse of :func:`embeddings_from_hf`."""
     hf = {"model.embed_tokens.weight": state["transformer.wte.weight"], "model.norm.weight": state["transformer.ln_f.weight"]}
     return {**hf, "lm_head.weight": state["lm_head.weight"]} if not cfg.tie_word_embeddings else hf
+
+
+MIXTRAL_EXPERTS = ("block_sparse_moe.", ("w1", "w3", "w2"))  # a MoE MLP's prefix; each expert's gate, up, down
+
+
+def layer_from_hf(hf: dict[str, np.ndarray], cfg: LlamaConfig, i: int,
+                  experts: tuple[str, tuple[str, str, str]] | None) -> dict[str, np.ndarray]:
+    """Layer ``i`` of a Llama-family checkpoint in minipar's names, popped from ``hf``: the two norms, q|k|v packed,
+    o, and the MLP — gate|up packed and down, or with ``experts`` = (the MoE MLP's prefix in the layer, each expert's
+    gate, up and down names) the router and the experts stacked."""
+    h, p = f"transformer.h.{i}.", f"model.layers.{i}."
+    state = {h + "ln_1.weight": hf.pop(p + "input_layernorm.weight"),
+             h + "ln_2.weight": hf.pop(p + "post_attention_layernorm.weight"),
+             h + "attn.c_attn.weight": np.concatenate([hf.pop(f"{p}self_attn.{n}_proj.weight").T for n in "qkv"], 1),
+             h + "attn.c_proj.weight": hf.pop(p + "self_attn.o_proj.weight").T}
+    if experts:
+        m, names = p + experts[0], experts[1]
+        state[h + "mlp.router.weight"] = hf.pop(m + "gate.weight").T
+        stacked = [[hf.pop(f"{m}experts.{j}.{n}.weight") for j in range(cfg.n_expert)] for n in names]
+        state[h + "mlp.c_fc.weight"], state[h + "mlp.c_proj.weight"] = stack_experts(*stacked)
+    else:
+        state[h + "mlp.c_fc.weight"] = np.concatenate([hf.pop(f"{p}mlp.{n}_proj.weight").T for n in ("gate", "up")], 1)
+        state[h + "mlp.c_proj.weight"] = hf.pop(p + "mlp.down_proj.weight").T
+    return state
+
+
+def layer_to_hf(state: dict[str, np.ndarray], cfg: LlamaConfig, i: int,
+                experts: tuple[str, tuple[str, str, str]] | None) -> dict[str, np.ndarray]:
+    """The inverse of :func:`layer_from_hf`: layer ``i`` under the checkpoint's names, every matrix (out, in)."""
+    h, p = f"transformer.h.{i}.", f"model.layers.{i}."
+    H, K, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
+    hf = {p + "input_layernorm.weight": state[h + "ln_1.weight"],
+          p + "post_attention_layernorm.weight": state[h + "ln_2.weight"],
+          p + "self_attn.o_proj.weight": state[h + "attn.c_proj.weight"].T}
+    for n, w in zip("qkv", np.split(state[h + "attn.c_attn.weight"], [H * D, (H + K) * D], axis=1)):
+        hf[f"{p}self_attn.{n}_proj.weight"] = w.T
+    if experts:
+        m, names = p + experts[0], experts[1]
+        hf[m + "gate.weight"] = state[h + "mlp.router.weight"].T
+        for j, weights in enumerate(unstack_experts(state[h + "mlp.c_fc.weight"], state[h + "mlp.c_proj.weight"])):
+            hf.update({f"{m}experts.{j}.{n}.weight": w for n, w in zip(names, weights)})
+    else:
+        gate, up = np.split(state[h + "mlp.c_fc.weight"], 2, axis=1)
+        hf.update({p + "mlp.gate_proj.weight": gate.T, p + "mlp.up_proj.weight": up.T,
+                   p + "mlp.down_proj.weight": state[h + "mlp.c_proj.weight"].T})
+    return hf
 
 
 def refuse_leftovers(hf: dict[str, np.ndarray], directory: str, what: str) -> None:

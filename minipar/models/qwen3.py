@@ -24,9 +24,8 @@ from minipar.autograd import Tensor
 from minipar.data import save_tokenizer
 from minipar.models.gpt import hf_dtype, hf_rope_theta, read_hf_config, refuse_unknown, refuse_values, require_fields
 from minipar.models.llama import (Llama, LlamaBlock, LlamaConfig, LlamaTransformer, RotaryAttention,
-                                  LLAMA_REQUIRED, embeddings_from_hf, embeddings_to_hf, refuse_leftovers,
-                                  router_aux_loss_coef)
-from minipar.models.moe import stack_experts, unstack_experts
+                                  LLAMA_REQUIRED, embeddings_from_hf, embeddings_to_hf, layer_from_hf, layer_to_hf,
+                                  refuse_leftovers, router_aux_loss_coef)
 from minipar.nn import RMSNorm
 from minipar.safetensors_io import DEFAULT_MAX_SHARD_BYTES, atomic_write, read_hf_weights, write_hf_weights
 
@@ -72,6 +71,14 @@ class Qwen3Transformer(LlamaTransformer):
     Block = Qwen3Block
 
 
+QWEN3_EXPERTS = ("mlp.", ("gate_proj", "up_proj", "down_proj"))  # Qwen3-MoE's MLP prefix and expert names
+
+
+def _experts(cfg: Qwen3Config, i: int) -> tuple[str, tuple[str, str, str]] | None:
+    """Layer i's MoE names for :func:`layer_from_hf` (None: a dense layer, one of the first ``first_dense_layers``)."""
+    return QWEN3_EXPERTS if cfg.n_expert and i >= cfg.first_dense_layers else None
+
+
 class Qwen3(Llama):
     """Llama's interface on Qwen3's blocks."""
 
@@ -84,23 +91,11 @@ class Qwen3(Llama):
         cfg = hf_qwen3_config(directory, dtype)
         hf = read_hf_weights(directory)
         state = embeddings_from_hf(hf, cfg, directory)
-        for i in range(cfg.n_layer):
-            h, p = f"transformer.h.{i}.", f"model.layers.{i}."
-            a, m = p + "self_attn.", p + "mlp."
-            state[h + "ln_1.weight"] = hf.pop(p + "input_layernorm.weight")
-            state[h + "ln_2.weight"] = hf.pop(p + "post_attention_layernorm.weight")
-            state[h + "attn.c_attn.weight"] = np.concatenate([hf.pop(f"{a}{n}_proj.weight").T for n in "qkv"], 1)
-            state[h + "attn.c_proj.weight"] = hf.pop(a + "o_proj.weight").T
+        for i in range(cfg.n_layer):  # Llama's layer, and the two QK-norms
+            state.update(layer_from_hf(hf, cfg, i, _experts(cfg, i)))
+            h, a = f"transformer.h.{i}.", f"model.layers.{i}.self_attn."
             state[h + "attn.q_norm.weight"] = hf.pop(a + "q_norm.weight")
             state[h + "attn.k_norm.weight"] = hf.pop(a + "k_norm.weight")
-            if cfg.n_expert and i >= cfg.first_dense_layers:
-                state[h + "mlp.router.weight"] = hf.pop(m + "gate.weight").T
-                experts = [[hf.pop(f"{m}experts.{j}.{n}_proj.weight") for j in range(cfg.n_expert)]
-                           for n in ("gate", "up", "down")]
-                state[h + "mlp.c_fc.weight"], state[h + "mlp.c_proj.weight"] = stack_experts(*experts)
-            else:
-                state[h + "mlp.c_fc.weight"] = np.concatenate([hf.pop(f"{m}{n}_proj.weight").T for n in ("gate", "up")], 1)
-                state[h + "mlp.c_proj.weight"] = hf.pop(m + "down_proj.weight").T
         refuse_leftovers(hf, directory, "a Qwen3")
         model = cls(cfg)
         model.load_state_dict({name: np.ascontiguousarray(value) for name, value in state.items()})
@@ -116,23 +111,11 @@ class Qwen3(Llama):
         state = state if state is not None else self.state_dict()
         hf = embeddings_to_hf(state, cfg)
         H, K, D = cfg.n_head, cfg.kv_heads, cfg.head_dim
-        for i in range(cfg.n_layer):
-            h, p = f"transformer.h.{i}.", f"model.layers.{i}."
-            a, m = p + "self_attn.", p + "mlp."
-            hf[p + "input_layernorm.weight"] = state[h + "ln_1.weight"]
-            hf[p + "post_attention_layernorm.weight"] = state[h + "ln_2.weight"]
-            for n, w in zip("qkv", np.split(state[h + "attn.c_attn.weight"], [H * D, (H + K) * D], axis=1)):
-                hf[f"{a}{n}_proj.weight"] = w.T
-            hf[a + "o_proj.weight"] = state[h + "attn.c_proj.weight"].T
-            hf[a + "q_norm.weight"], hf[a + "k_norm.weight"] = state[h + "attn.q_norm.weight"], state[h + "attn.k_norm.weight"]
-            if cfg.n_expert and i >= cfg.first_dense_layers:
-                hf[m + "gate.weight"] = state[h + "mlp.router.weight"].T
-                for j, weights in enumerate(unstack_experts(state[h + "mlp.c_fc.weight"], state[h + "mlp.c_proj.weight"])):
-                    hf.update({f"{m}experts.{j}.{n}_proj.weight": w for n, w in zip(("gate", "up", "down"), weights)})
-            else:
-                gate, up = np.split(state[h + "mlp.c_fc.weight"], 2, axis=1)
-                hf.update({m + "gate_proj.weight": gate.T, m + "up_proj.weight": up.T,
-                           m + "down_proj.weight": state[h + "mlp.c_proj.weight"].T})
+        for i in range(cfg.n_layer):  # Llama's layer, and the two QK-norms
+            hf.update(layer_to_hf(state, cfg, i, _experts(cfg, i)))
+            h, a = f"transformer.h.{i}.", f"model.layers.{i}.self_attn."
+            hf[a + "q_norm.weight"] = state[h + "attn.q_norm.weight"]
+            hf[a + "k_norm.weight"] = state[h + "attn.k_norm.weight"]
         os.makedirs(directory, exist_ok=True)
         end_of_text = save_tokenizer(directory, cfg.vocab_size, cfg.block_size, tokenizer)
         moe = {"num_experts": cfg.n_expert, "num_experts_per_tok": cfg.expert_top_k,
