@@ -72,7 +72,6 @@ class Checkpoint:
         return _read_verified(os.path.join(self.path, entry["file"]), entry) if entry else {}
 
 
-
 class CheckpointWriter:
     """Writes checkpoints one at a time, on a thread of its own unless ``background`` is False.
 

@@ -263,6 +263,12 @@ def mesh_holdings(layout: Layout, n_layer: int, n_head: int, n_expert: int) -> l
     return out
 
 
+def _span(values: tuple[int, ...]) -> str:
+    """0–3 for a run of consecutive numbers, else 0,3."""
+    run = len(values) > 1 and values[-1] - values[0] == len(values) - 1
+    return f"{values[0]}–{values[-1]}" if run else ",".join(map(str, values))
+
+
 def draw_mesh(path: str, layout: Layout | None = None, n_layer: int = 4, n_head: int = 4, n_expert: int = 4) -> None:
     """One box per rank: pipeline stages down, data-parallel replicas across, cp then tp inside a replica."""
     plt = pyplot()
@@ -274,9 +280,8 @@ def draw_mesh(path: str, layout: Layout | None = None, n_layer: int = 4, n_head:
     for h in rows:
         x, y = h.dp * (inner + 0.4) + h.cp * layout.tp + h.tp, h.pp * 1.3
         ax.add_patch(plt.Rectangle((x, y), 0.92, 1.1, facecolor=colours[h.ep % len(colours)], edgecolor="#555555"))
-        ranges = lambda v: f"{v[0]}–{v[-1]}" if len(v) > 1 and v[-1] - v[0] == len(v) - 1 else ",".join(map(str, v))
-        ax.text(x + 0.46, y + 0.55, f"rank {h.rank}\nlayers {ranges(h.layers)}\nheads {ranges(h.heads)}\n"
-                f"seq {ranges(h.positions)}" + (f"\nexperts {ranges(h.experts)}" if h.experts else ""),
+        ax.text(x + 0.46, y + 0.55, f"rank {h.rank}\nlayers {_span(h.layers)}\nheads {_span(h.heads)}\n"
+                f"seq {_span(h.positions)}" + (f"\nexperts {_span(h.experts)}" if h.experts else ""),
                 ha="center", va="center", fontsize=7)
     for dp in range(layout.dp):
         ax.text(dp * (inner + 0.4) + inner / 2, -0.25, f"data-parallel replica {dp}", ha="center", fontsize=8)

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 LAUNCH_DIR_ENV = "MINIPAR_LAUNCH_DIR"  # set by the launcher: each rank writes its pid there (announce_rank)
 FAILED_BY_ERROR = 2  # train's exit code for an error it reported (minipar/__main__.py): restarting would repeat it
+WATCHDOG_ABORT = 3  # the exit code of a rank whose --comm-timeout ran out (comm/communicator.py)
 HOST_STRIKES = 2  # consecutive faults on one host before it is dropped
 
 
@@ -248,7 +249,7 @@ class Launcher:
             (attempt.dead_host if self.shape.hosts else None)
         if attempt.stalled_rank is not None:
             how = "stopped answering (--comm-timeout)"
-        elif attempt.exit_code in {s.value for s in signal.Signals} - {signal.SIGINT, signal.SIGQUIT}:
+        elif attempt.exit_code in {s.value for s in signal.Signals} - {FAILED_BY_ERROR, WATCHDOG_ABORT}:
             how = f"was killed ({signal.Signals(attempt.exit_code).name})"  # mpiexec reports a signal by its number
         else:
             how = f"ended the job (exit code {attempt.exit_code if attempt.exit_code is not None else attempt.returncode})"
