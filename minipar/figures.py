@@ -25,12 +25,9 @@ The measured figures run ``python -m minipar train`` on a tiny model (a few seco
 """
 from __future__ import annotations
 
-import json
 import os
 import queue
 import re
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -47,7 +44,7 @@ from minipar.parallel.pipeline import stage_blocks
 from minipar.parallel.planner import model_state_bytes
 from minipar.parallel.schedules import Schedule, build
 from minipar.plot import CATEGORIES, load_events, pyplot, save_figure
-from minipar.testing import RANK_ENV, mpiexec
+from minipar.testing import train_cli
 
 KIND_COLOURS = {"F": CATEGORIES["forward"][1], "B": CATEGORIES["backward"][1], "W": CATEGORIES["weights"][1]}
 SCHEDULE_FIGURES = (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1), ("dualpipev", 2))
@@ -338,13 +335,8 @@ TINY = [*(f for k, v in TINY_MODEL.items() if k != "vocab_size" for f in (f"--{k
 
 
 def train_records(flags: list[str], ranks: int = 1) -> list[dict[str, Any]]:
-    """The step records of ``python -m minipar train --json FLAGS`` (under ``mpiexec -n ranks`` when > 1)."""
-    command = [sys.executable, "-m", "minipar", "train", "--json", *flags]
-    run = subprocess.run(command if ranks == 1 else [mpiexec(), "-n", str(ranks), *command], capture_output=True,
-                         text=True, timeout=600, env={**os.environ, **RANK_ENV})
-    if run.returncode != 0:
-        raise RuntimeError(f"train {' '.join(flags)} failed:\n{run.stderr[-2000:]}")
-    return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    """The step records of ``python -m minipar train --json FLAGS`` on ``ranks`` ranks (testing.train_cli)."""
+    return train_cli(["--json", *flags], ranks, timeout=600)[0]
 
 
 def measured_passes(trace: str) -> dict[int, list[tuple[float, float, str, int, int]]]:

@@ -195,7 +195,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
                 interrupt.request(signal.SIGPIPE)
             stop = interrupt.requested()
             durable = args.save and (stop or last or (args.save_interval and (step + 1) % args.save_interval == 0))
-            local = args.local_save and (args.local_save_interval and (step + 1) % args.local_save_interval == 0
+            local = args.local_save and ((args.local_save_interval and (step + 1) % args.local_save_interval == 0)
                                          or (stop and not args.save))
             if durable or local:  # the step waits for the copy; the writer thread writes (one save at a time)
                 saved = checkpoint(args, args.save if durable else args.local_save, step + 1, engine, optimizer, model,
