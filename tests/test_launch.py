@@ -5,6 +5,7 @@ under a deadline and killed with its process group when the test ends."""
 import os
 import re
 import resource
+import socket
 import shutil
 import signal
 import subprocess
@@ -253,30 +254,38 @@ def test_a_stopped_rank_and_a_damaged_checkpoint(launched, reference, tmp_path):
     assert_bit_identical(final_params(save), reference)
 
 
-@pytest.mark.slow  # ~15 s: 4 ranks on two "hosts", then 2
-def test_a_host_that_keeps_failing_is_dropped(launched, tmp_path):
-    """-n 4 on two hosts (hydra's fork launcher: both are this machine); a rank on the second host dies twice in a
-    row: the launcher goes on without that host, dp 4 → 2 with twice the microbatches, and ends where the
-    uninterrupted 4-rank run ends, to float64 rounding (the same rows, summed in another order)."""
+@pytest.mark.slow  # ~12 s each: the ranks on their "hosts", then fewer
+@pytest.mark.parametrize("hosts,ppn,microbatches,after", [
+    (["localhost", "127.0.0.1"], 2, 1, "dp 4 → 2, microbatches 1 → 2"),
+    (["localhost", "127.0.0.1", socket.gethostname()], 1, 2, "dp 3 → 2, microbatches 2 → 3"),  # an odd degree
+])
+def test_a_host_that_keeps_failing_is_dropped(launched, tmp_path, hosts, ppn, microbatches, after):
+    """Ranks on two or three hosts (hydra's fork launcher: every name is this machine); a rank on the last host dies
+    twice in a row: the launcher goes on without that host — dp shrinks, the microbatches grow by as much (4 → 2
+    with 1 → 2; 3 → 2 with 2 → 3, 12 rows either way) — and ends where the uninterrupted run on every host ends,
+    to float64 rounding (the same rows, summed in another order)."""
     save, whole = str(tmp_path / "c"), str(tmp_path / "whole")
+    n, last = len(hosts) * ppn, hosts[-1]
+    batch = ["--batch-size", "12", "--microbatches", str(microbatches)]
     env = {**os.environ, **RANK_ENV, "HOME": str(tmp_path)}
-    subprocess.run([mpiexec(), "-n", "4", sys.executable, "-m", "minipar", "train", *MODEL, "--save", whole],
+    subprocess.run([mpiexec(), "-n", str(n), sys.executable, "-m", "minipar", "train", *MODEL, *batch, "--save", whole],
                    check=True, capture_output=True, timeout=DEADLINE, env=env)
     rng = np.random.default_rng(4)
-    run = launched(["-n", "4", "--hosts", "localhost,127.0.0.1", "--ppn", "2", "--bootstrap", "fork", "--min-ranks",
-                    "2", "--", "train", *MODEL, "--save", save, "--save-interval", "2"], save, env={"HOME": str(tmp_path)})
+    run = launched(["-n", str(n), "--hosts", ",".join(hosts), "--ppn", str(ppn), "--bootstrap", "fork", "--min-ranks",
+                    "2", "--", "train", *MODEL, *batch, "--save", save, "--save-interval", "2"], save,
+                   env={"HOME": str(tmp_path)})
+    on_last = range(n - ppn, n)
     run.reach(int(rng.integers(3, 12)))
-    before = run.kill(int(rng.integers(2, 4)))
+    before = run.kill(int(rng.choice(on_last)))
     first = run.wait_for(lambda line: "restarting from step" in line, "the first restart")
-    assert "(host 127.0.0.1)" in first and "on 4 ranks (restart 1" in first, first
+    assert f"(host {last})" in first and f"on {n} ranks (restart 1" in first, first
     run.reach(int(rng.integers(14, 20)))
-    os.kill(run.pid(int(rng.integers(2, 4)), not_=before), signal.SIGKILL)
+    os.kill(run.pid(int(rng.choice(on_last)), not_=before), signal.SIGKILL)
     second = run.wait_for(lambda line: "restarting from step" in line, "the second restart")
-    assert ("on 2 ranks, without host 127.0.0.1 (failed 2 times in a row): dp 4 → 2, microbatches 1 → 2"
-            in second), second
+    assert f"on {n - ppn} ranks, without host {last} (failed 2 times in a row): {after}" in second, second
     rc, out = run.finish()
     assert rc == 0, out
-    assert "dp2·tp1·pp1 zero0 m2" in out
+    assert f"dp2·tp1·pp1 zero0 m{after[-1]}" in out
     params, expected = final_params(save), final_params(whole)
     for name, value in expected.items():
         np.testing.assert_allclose(params[name], value, rtol=1e-9, atol=1e-12, err_msg=name)
