@@ -20,6 +20,9 @@ engine and the papers, and one that draws that data. Nothing here invents a numb
                            the sigmoid router's bias (auxiliary-loss-free)
     activation_memory.svg  a step's peak bytes against the sequence length for each --recompute mode (--peak-memory),
                            beside what activation_elements says a forward keeps
+    communication.svg      bytes per layer along dp (and ZeRO-3), tp (and sp), cp (ring, Ulysses) and ep, from the step
+                           records of 2-rank runs, beside the planner's closed forms (planner.communication_bytes)
+    compression.svg        loss by step and by bytes sent for DP, the 16-bit and int8 wires, PowerSGD, top-k, local SGD
 
 The measured figures run ``python -m minipar train`` on a tiny model (a few seconds each).
 """
@@ -479,6 +482,109 @@ def draw_activation_memory(path: str, lengths: tuple[int, ...] = (32, 64, 128, 2
     plt.close(figure)
 
 
+AXIS_RUNS = (  # (label, train flags, the layout they run, the axis, the step record's labels of its exchanges)
+    ("dp 2", ["--dp", "2"], Layout(dp=2), "dp", ("grads", "params")),
+    ("dp 2, ZeRO-3", ["--dp", "2", "--zero", "3"], Layout(dp=2, zero=3), "dp", ("grads", "params")),
+    ("tp 2", ["--tp", "2"], Layout(tp=2), "tp", ("tp_forward", "tp_backward")),
+    ("tp 2 + sp", ["--tp", "2", "--sp"], Layout(tp=2, sp=True), "tp", ("sp_forward", "sp_backward")),
+    ("cp 2, ring", ["--cp", "2"], Layout(cp=2), "cp", ("cp_forward", "cp_backward")),
+    ("cp 2, Ulysses", ["--cp", "2", "--cp-kind", "ulysses"], Layout(cp=2, cp_kind="ulysses"), "cp",
+     ("cp_forward", "cp_backward")),
+    ("ep 2 (dp 2)", ["--dp", "2", "--ep", "2"], Layout(dp=2, ep=2), "ep", ("ep_counts", "ep_forward", "ep_backward")),
+)
+MOE = {"n_expert": 4, "expert_top_k": 2, "capacity_factor": 0.0}  # the ep run's MLPs: 4 experts, top-2, dropless
+
+
+def communication_per_layer() -> list[tuple[str, float, float]]:
+    """Per run of :data:`AXIS_RUNS` (2 ranks, the tiny GPT, batch 8, T = 32, float32): (label, the bytes rank 0
+    sent along the run's axis in its last step, the planner's closed form, planner.communication_bytes), each
+    ÷ n_layer — the per-layer share (dp's include the embedding's gradients; ep's closed form assumes balanced
+    routing, the measured bytes are the rows the router actually sent to the other rank)."""
+    from minipar.models.gpt import GPTConfig
+    from minipar.parallel.planner import communication_bytes
+
+    rows = []
+    for label, flags, layout, axis, ops in AXIS_RUNS:
+        moe = MOE if axis == "ep" else {}
+        extra = [f for k, v in moe.items() for f in (f"--{k.replace('_', '-')}", str(v))]
+        record = [r for r in train_records([*TINY, *extra, *flags, "--steps", "2"], 2) if "loss" in r][-1]
+        measured = sum(record["comm_bytes_by_op"].get(op, 0) for op in ops)
+        cfg = GPTConfig(block_size=32, **TINY_MODEL, **moe)
+        closed = communication_bytes(cfg, 8, layout, itemsize=4)[axis]
+        rows.append((label, measured / cfg.n_layer, closed / cfg.n_layer))
+    return rows
+
+
+def draw_communication(path: str) -> None:
+    plt = pyplot()
+    rows = communication_per_layer()
+    figure, ax = plt.subplots(figsize=(7, 3.6))
+    y = np.arange(len(rows))
+    ax.barh(y - 0.2, [r[1] / 1e3 for r in rows], 0.4, color="#4285f4", label="measured (the step record's bytes)")
+    ax.barh(y + 0.2, [r[2] / 1e3 for r in rows], 0.4, color="#9e9e9e", label="closed form (planner)")
+    for i, (_, measured, closed) in enumerate(rows):
+        ax.text(max(measured, closed) / 1e3, i, f" {measured / 1e3:.1f} / {closed / 1e3:.1f}", va="center", fontsize=7)
+    ax.set_yticks(y, [r[0] for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("kB a rank sends per step, per layer")
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("communication per layer: GPT L=4 C=32, batch 8 × T 32, float32, 2 ranks", fontsize=9)
+    ax.margins(x=0.2)
+    save_figure(figure, path)
+    plt.close(figure)
+
+
+COMPRESSION_RUNS = (("synchronous DP", []), ("bf16 wire", ["--compression", "bf16"]),
+                    ("int8", ["--compression", "int8"]), ("PowerSGD r=4", ["--compression", "powersgd"]),
+                    ("top-k 1%", ["--compression", "topk"]),
+                    ("local SGD H=8", ["--local-sgd", "8", "--outer-lr", "1", "--outer-momentum", "0"]))
+
+
+def compression_curves(steps: int = 60, runs: tuple[tuple[str, list[str]], ...] = COMPRESSION_RUNS
+                       ) -> dict[str, tuple[list[float], list[int]]]:
+    """Per method, 2 data-parallel ranks of the tiny GPT: (each step's loss, the gradient and parameter bytes rank 0
+    sent in it — the step record's ``comm_bytes``)."""
+    curves = {}
+    for label, flags in runs:
+        records = [r for r in train_records([*TINY, "--dp", "2", "--steps", str(steps), *flags], 2) if "loss" in r]
+        curves[label] = ([r["loss"] for r in records], [r["comm_bytes"] for r in records])
+    return curves
+
+
+def draw_compression(path: str) -> None:
+    plt = pyplot()
+    curves = compression_curves()
+    figure, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(9, 3.6), sharey=True)
+    for label, (losses, sent) in curves.items():
+        by_step.plot(range(1, len(losses) + 1), losses, linewidth=1, label=label)
+        by_bytes.plot(np.cumsum(sent) / 1e6, losses, linewidth=1, label=label)
+    by_step.set_xlabel("step")
+    by_step.set_ylabel("training loss")
+    by_bytes.set_xscale("log")
+    by_bytes.set_xlabel("MB rank 0 has sent (gradients and parameters)")
+    by_bytes.legend(fontsize=7)
+    figure.suptitle("gradient compression and local SGD: 2 data-parallel ranks, GPT L=4 C=32, batch 8 × T 32", fontsize=9)
+    save_figure(figure, path)
+    plt.close(figure)
+
+
+def draw_bars(path: str, values: dict[str, float], xlabel: str, title: str) -> None:
+    """A horizontal bar per label, its value written beside it: what a tutorial measured (its ``--plot``)."""
+    plt = pyplot()
+    figure, ax = plt.subplots(figsize=(7, 0.45 * len(values) + 1.2))
+    y = np.arange(len(values))
+    ax.barh(y, list(values.values()), 0.6, color="#4285f4")
+    for i, v in enumerate(values.values()):
+        ax.text(v, i, f" {v:,.0f}", va="center", fontsize=7)
+    ax.set_yticks(y, list(values))
+    ax.invert_yaxis()
+    ax.margins(x=0.15)
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=9)
+    save_figure(figure, path)
+    plt.close(figure)
+
+
 # ------------------------------------------------------------------------------------------- all of them
 
 
@@ -492,7 +598,8 @@ def make_all(out: str, say: Any = print, only: tuple[str, ...] = ()) -> list[str
              for phase in ("reduce-scatter", "all-gather")]
     jobs += [("zero_memory.svg", draw_zero), ("mesh.svg", draw_mesh), ("planner_published.svg", draw_planner),
              ("pipeline_measured.svg", draw_trace_vs_plan), ("loss_precision.svg", draw_precision),
-             ("expert_load.svg", draw_expert_load), ("activation_memory.svg", draw_activation_memory)]
+             ("expert_load.svg", draw_expert_load), ("activation_memory.svg", draw_activation_memory),
+             ("communication.svg", draw_communication), ("compression.svg", draw_compression)]
     unknown = set(only or ()) - {name for name, _ in jobs}
     if unknown:
         raise ValueError(f"no figure called {', '.join(sorted(unknown))}: the figures are "

@@ -141,3 +141,47 @@ def test_recomputation_lowers_the_measured_peak():
             cfg = GPTConfig(vocab_size=256, block_size=t, n_layer=4, n_head=2, n_embd=32)
             assert curve[i] >= activation_elements(cfg, 4, mode) * 4, (mode, t)
     assert all(curve[1] > curve[0] for curve in peaks.values())
+
+
+@pytest.mark.slow  # seven 2-rank runs
+def test_communication_bars_are_the_step_records_and_the_closed_forms():
+    """Each bar pair: the bytes rank 0's step record counts along the axis, and the planner's closed form, per layer;
+    both equal the textbook count written out here (2 ranks: a ring all-reduce of n sends n, a reduce-scatter or
+    all-gather n/2, an all-to-all half its buffer). GPT L=4 C=32 T=32, batch 8, float32: 8·32 = 256 tokens."""
+    from minipar.models.gpt import GPTConfig
+
+    C, itemsize, L = 32, 4, 4
+    psi = GPTConfig(vocab_size=256, block_size=32, n_layer=4, n_head=2, n_embd=32).num_parameters()
+    whole, half = 256 * C * itemsize, 128 * C * itemsize  # t·C·itemsize on one rank: all tokens, or half
+    expected = {"dp 2": psi * itemsize / L,                 # all-reduce of the gradients: RS + AG, Ψ/2 each
+                "dp 2, ZeRO-3": 1.5 * psi * itemsize / L,   # + the forward's and the backward's parameter gathers
+                "tp 2": 4 * whole,                          # 2 all-reduces forward, 2 backward
+                "tp 2 + sp": 4 * whole,                     # as 4 all-gathers + 4 reduce-scatters of half each
+                "cp 2, ring": 1 * 2 * half + 2 * 4 * half,  # K|V once forward; K|V|dK|dV twice backward
+                "cp 2, Ulysses": 2 * 4 * half / 2,          # q|k|v and the output, each way, half sent
+                "ep 2 (dp 2)": 4 * 2 * half / 2 + 4 * 8 / 2}  # top-2 rows out and back, each way; E = 4 counts
+    rows = figures.communication_per_layer()
+    assert [label for label, _, _ in rows] == [label for label, *_ in figures.AXIS_RUNS]
+    for label, measured, closed in rows:
+        assert closed == expected[label], label
+        if label.startswith("ep"):  # the rows the router sent: data-dependent, near balanced on this seed
+            assert measured == pytest.approx(closed, rel=0.1) and measured != closed
+        else:
+            assert measured == closed, label
+
+
+@pytest.mark.slow  # six 2-rank runs
+def test_compression_curves_send_what_each_method_promises():
+    """Same seed: every method starts from the same loss and trains; per step the bf16 wire sends exactly half of
+    synchronous DP's bytes, int8 a quarter (+ a scale per bucket), PowerSGD and top-k less than a fifth; local SGD
+    sends nothing for 7 steps and DP's bytes (the parameters' all-reduce) on the 8th."""
+    curves = figures.compression_curves(steps=8)
+    assert list(curves) == [label for label, _ in figures.COMPRESSION_RUNS]
+    losses, dp = curves.pop("synchronous DP")
+    assert len(dp) == 8 and min(dp) == max(dp) > 0
+    for label, (curve, sent) in curves.items():
+        assert curve[0] == losses[0] and curve[-1] < curve[0], label
+    assert curves["bf16 wire"][1] == [dp[0] // 2] * 8
+    assert all(dp[0] / 4 < b < dp[0] / 3.99 for b in curves["int8"][1])
+    assert all(0 < b < dp[0] / 5 for label in ("PowerSGD r=4", "top-k 1%") for b in curves[label][1])
+    assert curves["local SGD H=8"][1] == [0] * 7 + [dp[0]]

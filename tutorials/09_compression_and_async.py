@@ -1,6 +1,6 @@
 """Tutorial 9: sending fewer bytes — gradient compression, local SGD / DiLoCo, bounded staleness.
 
-    mpiexec -n 4 python tutorials/09_compression_and_async.py
+    mpiexec -n 4 python tutorials/09_compression_and_async.py [--plot bytes.svg]   (--plot: part 1's bytes, drawn)
 
 1. Each compressor reduces one gradient bucket; we print its bytes on the wire, the ratio to the
    float32 ring all-reduce, and its error against MPI's exact sum.
@@ -8,6 +8,8 @@
 3. Local SGD with H = 1, inner SGD and plain averaging is synchronous data parallelism; with H = 8 it
    communicates 8× less; DiLoCo adds an outer Nesterov step; staleness lets the average arrive late.
 """
+import sys
+
 import numpy as np
 
 from minipar.comm import Communicator
@@ -33,6 +35,7 @@ exact = np.empty_like(g)
 comm.mpi.Allreduce(g, exact)  # the sum: each rank's gradient already carries its share of the global tokens
 full = all_reduce_bytes_sent(g.size, 4, p, 0, "ring")
 say(f"1. one bucket of {g.size:,} float32 on {p} ranks; the float32 ring all-reduce sends {full:,} B per rank")
+wire = {"float32 ring": full}
 for compressor in (Cast("float16"), Cast("bfloat16"), Int8(), TopK(0.05), PowerSGD(rank=4)):
     out = g.copy()
     comm.reset_stats()
@@ -40,9 +43,15 @@ for compressor in (Cast("float16"), Cast("bfloat16"), Int8(), TopK(0.05), PowerS
     sent = comm.bytes_sent("grads")
     error = np.linalg.norm(out - exact) / np.linalg.norm(exact)
     say(f"   {compressor.name:<16} sends {sent:>7,} B ({full / sent:5.1f}× fewer), relative error {error:.1e}")
+    wire[f"{compressor.name} (error {error:.0e})"] = sent
     same = np.empty((p, out.size), np.float32)
     comm.mpi.Allgather(out, same)
     assert (same == out).all(), "replicas must stay identical"
+if "--plot" in sys.argv and r == 0:  # --plot FILE.svg: the bytes each method put on the wire for this bucket
+    from minipar.figures import draw_bars
+
+    draw_bars(sys.argv[sys.argv.index("--plot") + 1], wire, "bytes rank 0 sent",
+              f"one all-reduced bucket of {g.size:,} float32 on {p} ranks")
 
 # 2. Error feedback --------------------------------------------------------------------------------
 topk, sent_sum, grad_sum = TopK(0.02), np.zeros(g.size), np.zeros(g.size)

@@ -219,11 +219,8 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
                    + attention_passes * b * H * T * T / (cp * tp)) * itemsize
     head_time = 6 * t * C * V / tp / flops + 4 * t * V / tp * itemsize / profile.bandwidth
     tp_link = profile.link(tp, tp)
-    # per layer and forward pass, in ring all-reduces of t·C: attention 1 and the MLP 1 — a MoE MLP none, or
-    # under sp its all-gather in (half an all-reduce); backward the same again, the recomputed forward too
-    forward_all_reduces = 1 + ((0.5 if layout.sp else 0.0) if cfg.n_expert else 1.0)
-    all_reduces = forward_all_reduces * (3 if recompute == "full" else 2)
-    tp_time = (all_reduces * L / pp + 2) * _ring_all_reduce(t * C * itemsize, tp, tp_link) if tp > 1 else 0.0
+    tp_time = ((tensor_all_reduces(cfg, layout) * L / pp + 2) * _ring_all_reduce(t * C * itemsize, tp, tp_link)
+               if tp > 1 else 0.0)
     cp_link = profile.link(cp, cp * tp)
     cp_time = math.ceil(L / pp) * context_time(cfg, layout, t * itemsize, attention_flops / flops / cp,
                                                cp_link) if cp > 1 else 0.0
@@ -272,6 +269,48 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     return Prediction(layout, step, memory, memory <= profile.memory, breakdown)
 
 
+def tensor_all_reduces(cfg: Any, layout: Layout) -> float:
+    """Ring all-reduces of t·C values per block and microbatch on a tensor-parallel rank: forward, attention's one
+    and the MLP's one — a MoE MLP none, or under sp its all-gather in (half an all-reduce); backward the same
+    again, a fully recomputed forward once more. Under sp each is an all-gather plus a reduce-scatter: the same bytes."""
+    forward = 1 + ((0.5 if layout.sp else 0.0) if cfg.n_expert else 1.0)
+    return forward * (3 if layout.recompute == "full" else 2)
+
+
+def communication_bytes(cfg: Any, batch_size: int, layout: Layout, itemsize: int = 4) -> dict[str, float]:
+    """Bytes the busiest rank sends per optimizer step along each axis, as the engines send them over rings —
+    (p−1)/p·n per reduce-scatter or all-gather of n, 2(p−1)/p·n per all-reduce, (p−1)/p of an all-to-all's buffer —
+    with t = B/(dp·m)·T/cp tokens per microbatch, for the m microbatches and the L/pp blocks of a stage:
+
+        dp  gradients and parameters over the dp·cp replicas: :func:`data_parallel_bytes`
+        tp  :func:`tensor_all_reduces` per block of 2(tp−1)/tp·t·C values (sp: all-gathers + reduce-scatters, the
+            same); the embedding's, head's and loss's few all-reduces are not counted
+        cp  ring: cp−1 K|V blocks forward, cp K|V|dK|dV backward; Ulysses: the all-to-alls of q|k|v and of the
+            output, each way (:func:`context_bytes`)
+        ep  per MoE block the counts' all-to-all (E int64s) and dispatch + combine each way, k·t·C values each, as
+            balanced routing fills the experts (the engine sends the rows routed to other ranks: data-dependent)
+
+    A fully recomputed block repeats its forward's tp and ep exchanges (counted) and its cp ones (not counted)."""
+    tp, cp, ep, m = layout.tp, layout.cp, layout.ep, layout.microbatches
+    t = batch_size / (layout.dp * m) * cfg.block_size / cp
+    blocks = math.ceil(cfg.n_layer / layout.pp)
+    sent = {"dp": data_parallel_bytes(cfg, layout, itemsize) if layout.dp * cp > 1 else 0.0,
+            "tp": m * blocks * tensor_all_reduces(cfg, layout) * 2 * (tp - 1) / tp * t * cfg.n_embd * itemsize}
+    sizes, share = context_bytes(cfg, layout, t * itemsize), (cp - 1) / cp
+    if cp == 1:
+        sent["cp"] = 0.0
+    elif layout.cp_kind == "ring":
+        sent["cp"] = m * blocks * ((cp - 1) * sizes["kv"] + cp * 2 * sizes["kv"])
+    else:
+        kv = sizes["kv_sent_ulysses"] if sizes["kv_shared"] else share * sizes["kv"]
+        sent["cp"] = m * blocks * 2 * (share * (sizes["q"] + sizes["out"]) + kv)
+    moe = cfg.moe_blocks(blocks) if cfg.n_expert else 0
+    again = layout.recompute == "full"  # a recomputed MoE block exchanges its counts and rows forward once more
+    sent["ep"] = m * moe * (ep - 1) / ep * ((1 + again) * 8 * cfg.n_expert
+                                            + (4 + 2 * again) * cfg.expert_top_k * t * cfg.n_embd * itemsize)
+    return sent
+
+
 def expert_rows(cfg: Any, tokens: float) -> float:
     """Rows a mixture-of-experts MLP computes for ``tokens`` tokens: its capacity slots, c·k·tokens (dropless,
     c = 0: the k·tokens assignments, as balanced routing fills them)."""
@@ -290,7 +329,8 @@ def expert_time(cfg: Any, layout: Layout, token_bytes: float, link: Link) -> flo
     if ep == 1 or not cfg.n_expert:
         return 0.0
     all_to_all = lambda n: (ep - 1) * link.alpha + (ep - 1) / ep * n * link.beta  # noqa: E731
-    return all_to_all(8 * cfg.n_expert) + 4 * all_to_all(cfg.expert_top_k * token_bytes)
+    again = layout.recompute == "full"  # a recomputed forward exchanges its counts and rows once more
+    return (1 + again) * all_to_all(8 * cfg.n_expert) + (4 + 2 * again) * all_to_all(cfg.expert_top_k * token_bytes)
 
 
 def data_parallel_passes(layout: Layout) -> tuple[int, int]:
