@@ -187,12 +187,10 @@ def check_predictions(predictions: list[Any], model_flags: list[str], args: argp
     predicted step time beside the measured median (steps after the first two), with the error; the measured best
     last. One run at a time: each has the machine."""
     from minipar.parallel.layout import Layout
+    from minipar.parallel.planner import shortlist
     from minipar.testing import mpiexec
 
-    chosen = [p for p in predictions if p.feasible][:args.check]
-    plain = next((p for p in predictions if p.layout == Layout(dp=args.world)), None)
-    if plain is not None and plain not in chosen:
-        chosen.append(plain)
+    chosen = shortlist(predictions, args.check, Layout(dp=args.world))
     if args.check_steps < 3:
         raise ValueError(f"--check-steps must be >= 3 (the first two steps are warm-up), got {args.check_steps}")
     print(f"{'layout':<44}{'predicted ms':>13}{'measured ms':>13}{'error':>8}", flush=True)

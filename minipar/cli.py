@@ -15,7 +15,7 @@ import signal
 import sys
 import tempfile
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -228,19 +228,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                           "and the recomputation unless --recompute is given) for this many ranks; a layout flag "
                           "given with it is refused (the plan would override it)")
     par.add_argument("--profile", help="hardware profile for --auto (default: this machine's, calibrated if missing)")
+    par.add_argument("--check", type=int, default=0, metavar="K",
+                     help="--auto: train the K best predicted layouts and plain dp for --check-steps steps each, "
+                          "then run the measured fastest")
+    par.add_argument("--check-steps", type=int, default=8, help="--check: steps per trial (the first two not timed)")
 
 
 AUTO_CHOOSES = {"dp", "tp", "pp", "zero", "microbatches", "schedule", "cp", "cp_kind", "sp", "ep", "virtual_stages",
                 "cp_split", "shard_group"}  # what --auto decides (and --recompute, unless given)
 
 
-def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
+def choose_layout(args: argparse.Namespace, world: Communicator,
+                  trial: Callable[[argparse.Namespace], list[dict[str, Any]]] | None = None) -> None:
     """--auto: rank 0 plans (calibrating this machine if it has no profile yet, and saving that calibration
     for the next run and for ``plan``); every rank takes its choice. A layout flag written beside it is refused:
-    the plan would silently replace it."""
+    the plan would silently replace it. With ``--check K`` the K best predicted layouts (and plain data
+    parallelism) each train ``--check-steps`` steps first — ``trial(args)`` runs them, in this world, with the code
+    the run itself then runs — and the measured fastest is taken: autotuning by measurement."""
     given = sorted(AUTO_CHOOSES & getattr(args, "explicit", set()))
     if given:
         raise ValueError(f"--auto chooses the layout itself: drop --{given[0].replace('_', '-')}")
+    if args.check and args.check_steps < 3:
+        raise ValueError(f"--check-steps must be >= 3 (the first two steps are warm-up), got {args.check_steps}")
     try:
         profile = planner.load_profile(args.profile, world.size)
     except FileNotFoundError:
@@ -258,18 +267,57 @@ def choose_layout(args: argparse.Namespace, world: Communicator) -> None:
         best = ranked[0]
         if not best.feasible:
             raise ValueError(f"no layout of {world.size} ranks fits in {profile.memory / 1e9:.1f} GB per device")
-        choice = {**dataclasses.asdict(best.layout), "step_ms": best.step_time * 1e3, "memory_gb": best.memory / 1e9,
-                  "candidates": len(ranked)}
+        shortlist = planner.shortlist(ranked, args.check, Layout(dp=world.size)) if args.check else [best]
+        choice = [{**dataclasses.asdict(p.layout), "step_ms": p.step_time * 1e3, "memory_gb": p.memory / 1e9,
+                   "candidates": len(ranked)} for p in shortlist]
     else:
         choice = None
     choice = json.loads(world.all_gather_bytes(json.dumps(choice).encode(), label="plan")[0])
-    layout = Layout(**{f.name: choice[f.name] for f in dataclasses.fields(Layout)})
+    layouts = [Layout(**{f.name: c[f.name] for f in dataclasses.fields(Layout)}) for c in choice]
+    say = print if world.rank == 0 and not args.json else lambda *a, **k: None
+    measured, predicted_first = None, layouts[0]
+    if args.check:
+        assert trial is not None, "--check needs a trial runner"
+        say(f"auto: checking the {len(layouts)} best predicted of {choice[0]['candidates']} layouts, "
+            f"{args.check_steps} steps each", flush=True)
+        times = []
+        for layout, predicted in zip(layouts, choice):
+            records = trial(layout_arguments(args, layout, steps=args.check_steps))
+            times.append(float(np.median([r["ms"] for r in records if "loss" in r][2:])))
+            say(f"auto:   {str(layout):<44} predicted {predicted['step_ms']:8.1f} ms, measured {times[-1]:8.1f} ms "
+                f"({(predicted['step_ms'] - times[-1]) / times[-1]:+.0%})", flush=True)
+        times = world.broadcast(np.array(times), root=0, label="plan").tolist()  # rank 0's clock decides
+        pick = int(np.argmin(times))
+        layouts, choice, measured = [layouts[pick]], [choice[pick]], times[pick]
+    layout, choice = layouts[0], choice[0]
     for name in sorted(AUTO_CHOOSES - {"shard_group"}) + ["recompute"]:  # the layout's choices become the arguments
         setattr(args, name, getattr(layout, name))
     args.shard_group = layout.shard_group or None
-    if world.rank == 0 and not args.json:
-        print(f"auto: {layout} of {choice['candidates']} layouts, predicted {choice['step_ms']:.1f} ms/step, "
-              f"{choice['memory_gb']:.3f} GB per rank ({profile.name})", flush=True)
+    if measured is not None:
+        ranked_as = "the planner's first choice too" if layout == predicted_first else f"predicted first: {predicted_first}"
+        say(f"auto: {layout}, the measured best of {len(times)} checked ({measured:.1f} ms/step measured, "
+            f"{choice['step_ms']:.1f} predicted; {ranked_as}), {choice['memory_gb']:.3f} GB per rank ({profile.name})",
+            flush=True)
+    else:
+        say(f"auto: {layout} of {choice['candidates']} layouts, predicted {choice['step_ms']:.1f} ms/step, "
+            f"{choice['memory_gb']:.3f} GB per rank ({profile.name})", flush=True)
+
+
+def layout_arguments(args: argparse.Namespace, layout: Layout, steps: int) -> argparse.Namespace:
+    """``args`` for a trial of ``layout`` (--auto --check): its layout flags, ``steps`` steps, nothing saved, evaluated,
+    traced or printed — the run itself, shortened."""
+    trial = argparse.Namespace(**vars(args))
+    for name in sorted(AUTO_CHOOSES - {"shard_group"}) + ["recompute"]:
+        setattr(trial, name, getattr(layout, name))
+    trial.shard_group = layout.shard_group or None
+    trial.auto, trial.check, trial.steps, trial.decay_steps, trial.warmup = False, 0, steps, None, None
+    trial.save = trial.local_save = trial.out = trial.trace = trial.log_file = None
+    trial.local_save_interval = trial.save_interval = trial.eval_interval = 0
+    trial.peak_memory = False
+    trial.explicit = getattr(args, "explicit", set()) - {"auto", "check", "check_steps", "profile", "steps", "decay_steps", "warmup",
+                                      "save", "save_interval", "local_save", "local_save_interval", "sync_save",
+                                      "keep_last", "out", "trace", "log_file", "eval_interval"}
+    return trial
 
 
 PRECISIONS = {"fp32": None, "bf16-mixed": "bfloat16", "fp16-mixed": "float16", "fp8": "bfloat16"}  # -> storage dtype
@@ -321,6 +369,8 @@ FLAG_NEEDS: dict[str, tuple[str, Any]] = {
     **{name: ("--n-expert", lambda a: a.n_expert > 0 or bool(a.resume)) for name in MOE_FLAGS},
     "topk_ratio": ("--compression topk", lambda a: a.compression == "topk"),
     "powersgd_rank": ("--compression powersgd", lambda a: a.compression == "powersgd"),
+    "check": ("--auto", lambda a: a.auto),
+    "check_steps": ("--auto --check K", lambda a: a.auto and a.check > 0),
     "outer_lr": ("--local-sgd", lambda a: a.local_sgd > 0),
     "outer_momentum": ("--local-sgd", lambda a: a.local_sgd > 0),
     "staleness": ("--local-sgd", lambda a: a.local_sgd > 0),

@@ -81,19 +81,19 @@ def full_state_dict(engine: Any, optimizer: Any, model: GPT, mesh: Mesh) -> dict
     return stage_state(mesh.whole_state(local, placements(model), axes=("tp",)), mesh.pp_comm)
 
 
-def train(args: argparse.Namespace) -> list[dict[str, Any]]:
+def train(args: argparse.Namespace, quiet: bool = False) -> list[dict[str, Any]]:
     """Run the training job described by ``args`` on every rank; returns the per-step records.
 
     Stops with an error (the same on every rank) when a step's loss or gradient norm is not finite —
     before anything of that step is saved — and raises :class:`Interrupted` at the end of a step on SIGINT or
-    SIGTERM, after checkpointing with --save.
+    SIGTERM, after checkpointing with --save. ``quiet``: print nothing (a trial of ``--auto --check``).
     """
     world = Communicator()
     announce_rank(world.rank)
     check_ranks_agree(world, "arguments", {k: v for k, v in vars(args).items() if k != "explicit"})
     start_watchdog(args.comm_timeout)
     if args.auto:
-        choose_layout(args, world)
+        choose_layout(args, world, trial=lambda trial_args: train(trial_args, quiet=True))
     resumed = load_checkpoint(args.resume) if args.resume else None
     set_device(args.device)
     cfg, layout = validate(args, world.size, resumed)
@@ -118,7 +118,7 @@ def train(args: argparse.Namespace) -> list[dict[str, Any]]:
     # gradient norm stops the run with one line — numpy's RuntimeWarnings would only print ahead of it
     np.seterr(over="ignore", invalid="ignore", divide="ignore")
     lead, first_step = world.rank == 0, resumed.step if resumed else 0
-    progress = Progress(args, lead, first_step)
+    progress = Progress(args, lead and not quiet, first_step)
     norm_bytes = count_layer_norm_bytes(model)
     experts = f" E={cfg.n_expert} top-{cfg.expert_top_k}" if cfg.n_expert else ""
     progress.say(f"minipar: {cfg.display_name} {cfg.num_parameters():,} params (L={cfg.n_layer} H={cfg.n_head} C={cfg.n_embd} "

@@ -94,6 +94,7 @@ def test_text_progress_line():
     (["train", "--zero", "1", "--no-prefetch"], "--no-prefetch has no effect here: it needs --zero 3"),
     (["train", "--save-interval", "5"], "--save-interval has no effect here: it needs --save"),
     (["train", "--auto", "--tp", "1"], "--auto chooses the layout itself: drop --tp"),
+    (["train", "--auto", "--check", "2", "--check-steps", "2"], "--check-steps must be >= 3 (the first two steps"),
     (["train", "--comm-timeout", "-1"], "--comm-timeout must be >= 0"),
     (["plan", "--world", "0"], "--world must be positive, got 0"),
     (["plan", "--batch-size", "0"], "--batch-size must be positive, got 0"),
@@ -137,11 +138,12 @@ def test_every_mode_flag_is_refused_without_its_mode():
              "mtp_weight": ["0.1"], "moe_inner": ["8"], "n_shared_expert": ["1"], "first_dense_layers": ["1"],
              "router": ["sigmoid"], "norm_topk_prob": ["false"], "routed_scaling": ["2.5"], "expert_groups": ["2"],
              "topk_groups": ["1"], "bias_update": ["0.001"], "n_head_dim": ["8"], "no_moe_overlap": [],
-             "local_save": ["shm"], "local_save_interval": ["2"], "sync_save": []}
+             "local_save": ["shm"], "local_save_interval": ["2"], "sync_save": [], "check": ["2"], "check_steps": ["4"]}
     mode = {"loss_scale": ["--precision", "fp16-mixed"], "topk_ratio": ["--compression", "topk"],
             "powersgd_rank": ["--compression", "powersgd"], "cp_kind": ["--cp", "2"], "cp_split": ["--cp", "2"],
             "no_prefetch": ["--zero", "3"], "save_interval": ["--save", "ckpt"], "sync_save": ["--save", "ckpt"],
             "local_save": ["--local-save-interval", "2"], "local_save_interval": ["--local-save", "shm"],
+            "check": ["--auto"], "check_steps": ["--auto", "--check", "2"],
             **dict.fromkeys(("expert_top_k", "capacity_factor", "aux_loss_coef", "moe_inner", "n_shared_expert",
                              "first_dense_layers", "router", "norm_topk_prob", "routed_scaling", "expert_groups",
                              "topk_groups", "bias_update"), ["--n-expert", "4"]),

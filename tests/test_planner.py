@@ -252,6 +252,41 @@ def test_train_auto_picks_a_layout_and_trains_correctly(tmp_path, memory):
     np.testing.assert_allclose(losses, expected, rtol=1e-9)
 
 
+@pytest.mark.slow  # a 2-rank run with three trials
+def test_train_auto_check_trains_the_measured_best(tmp_path):
+    """--auto --check 2 on 2 ranks: the 2 best predicted layouts and plain dp each train --check-steps steps in the
+    job's own world, a line each (predicted, measured, the error between them); the job then trains the one
+    measured fastest — named in its one line, the layout of its header — exactly as one process does. No timing
+    is asserted: which layout wins is the machine's to say."""
+    flags = ["--n-layer", "2", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "8",
+             "--steps", "4", "--dtype", "float64", "--eval-interval", "0"]
+    single = subprocess.run([sys.executable, "-m", "minipar", "train", *flags, "--json"], capture_output=True,
+                            text=True, timeout=120)
+    planner.BUILTIN_PROFILES["a100-80gb"].save(str(tmp_path / "profile.json"))
+    out = run_command(2, [sys.executable, "-m", "minipar", "train", *flags, "--auto", "--check", "2", "--check-steps",
+                          "3", "--profile", str(tmp_path / "profile.json"), "--log-file", str(tmp_path / "log.jsonl")],
+                      timeout=120)
+    lines = out.splitlines()
+    assert any(line.startswith("auto: checking the 3 best predicted of ") and line.endswith(", 3 steps each")
+               for line in lines)
+    trials = {}
+    for line in lines:
+        if line.startswith("auto:   "):
+            layout, numbers = line[len("auto:   "):].split(" predicted ")
+            predicted, measured, error = (float(v) for v in
+                                          numbers.replace(" ms,", "").replace("measured", "").replace(" ms (", " ")
+                                          .rstrip("%)").split())
+            assert abs(error - round((predicted - measured) / measured * 100)) <= 1
+            trials[layout.strip()] = measured
+    assert len(trials) == 3 and "dp2·tp1·pp1 zero0 m1" in trials
+    best = min(trials, key=trials.get)
+    chosen = next(line for line in lines if ", the measured best of 3 checked (" in line)
+    assert chosen.startswith(f"auto: {best}, ") and f"({trials[best]:.1f} ms/step measured" in chosen
+    assert next(line for line in lines if line.startswith("minipar: GPT")).endswith(f", {best}")
+    losses = [json.loads(line)["loss"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    np.testing.assert_allclose(losses, [json.loads(line)["loss"] for line in single.stdout.splitlines()], rtol=1e-9)
+
+
 def test_recomputation_options_follow_the_engine():
     """Full recomputation is enumerated with experts and ZB-H1 (both compose now), selective not with context
     parallelism."""

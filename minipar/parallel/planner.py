@@ -533,6 +533,14 @@ def plan(cfg: Any, world: int, batch_size: int, profile: Profile, itemsize: int 
     return sorted(predictions, key=lambda p: (not p.feasible, p.step_time))
 
 
+def shortlist(predictions: list[Prediction], k: int, plain: Layout) -> list[Prediction]:
+    """The ``k`` best feasible predictions, and the ``plain`` layout (data parallelism alone) after them if it is not
+    among them: what ``plan --check`` and ``train --auto --check`` measure."""
+    chosen = [p for p in predictions if p.feasible][:k]
+    baseline = next((p for p in predictions if p.layout == plain and p.feasible), None)
+    return chosen + ([baseline] if baseline is not None and baseline not in chosen else [])
+
+
 def megatron_flops(cfg: Any, batch_size: int, recompute: bool = True) -> float:
     """Megatron-LM's count of FLOPs per iteration (Narayanan et al. 2021, eq. 3): 96·B·s·l·h²·(1 + s/(6h) +
     V/(16·l·h)) with activation recomputation (4 passes of 24·B·s·l·h²·(…)), 72·… without (3 passes) — with
