@@ -52,7 +52,6 @@ import dataclasses
 import math
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from minipar.autograd import Context, Function, Tensor
@@ -62,11 +61,19 @@ from minipar.backend import to_device, to_host
 @dataclasses.dataclass(frozen=True)
 class Format:
     name: str
-    dtype: Any
+    type_name: str  # ml_dtypes' numpy type, imported on first use (1 s: every rank of every run would pay it)
     mantissa_bits: int
 
     @property
+    def dtype(self) -> Any:
+        import ml_dtypes
+
+        return getattr(ml_dtypes, self.type_name)
+
+    @property
     def max(self) -> float:
+        import ml_dtypes
+
         return float(ml_dtypes.finfo(self.dtype).max)
 
     @property
@@ -79,8 +86,8 @@ class Format:
         return int(math.floor(math.log2(self.max)))
 
 
-FORMATS = {f.name: f for f in (Format("e4m3", ml_dtypes.float8_e4m3fn, 3), Format("e5m2", ml_dtypes.float8_e5m2, 2),
-                               Format("e2m1", ml_dtypes.float4_e2m1fn, 1))}
+FORMATS = {f.name: f for f in (Format("e4m3", "float8_e4m3fn", 3), Format("e5m2", "float8_e5m2", 2),
+                               Format("e2m1", "float4_e2m1fn", 1))}
 EPS = 1e-12  # the smallest amax a scale is computed from (torchao's)
 
 
