@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -113,9 +112,12 @@ def plan_command(args: argparse.Namespace) -> None:
         profile = planner.calibrate(comm)
         if comm.rank == 0:
             path = planner.save_calibration(profile, comm.size, args.profile)
-            print(f"calibrated on {comm.size} rank(s): {profile.flops / 1e9:.1f} GFLOP/s GEMM, "
-                  f"{profile.bandwidth / 1e9:.1f} GB/s, {profile.op_overhead * 1e6:.0f} µs framework time per layer, "
-                  f"α = {profile.intra.alpha * 1e6:.1f} µs, 1/β = {1 / max(profile.intra.beta, 1e-30) / 1e9:.2f} GB/s -> {path}")
+            link = (f", α = {profile.intra.alpha * 1e6:.1f} µs, 1/β = {1 / max(profile.intra.beta, 1e-30) / 1e9:.2f} GB/s"
+                    if comm.size > 1 else "")
+            print(f"calibrated on {comm.size} rank(s), each rank while all compute: {profile.flops / 1e9:.1f} GFLOP/s "
+                  f"GEMM, {profile.bandwidth / 1e9:.1f} GB/s; a layer {profile.passes_act:.0f} passes over t·C, "
+                  f"{profile.passes_att:.0f} over b·H·T², {profile.op_overhead * 1e6:.0f} µs; a microbatch "
+                  f"{profile.microbatch_overhead * 1e6:.0f} µs{link} -> {path}")
         return
     if args.validate:
         from minipar.parallel import validation
@@ -184,27 +186,25 @@ def plan_train_flags(args: argparse.Namespace, cfg: Any, dtype: str) -> list[str
 def check_predictions(predictions: list[Any], model_flags: list[str], args: argparse.Namespace) -> None:
     """``plan --check K``: run the K best predicted layouts and plain data parallelism for ``--check-steps`` steps
     each, with the very flags ``train`` takes (``mpiexec -n WORLD python -m minipar train ...``), and print the
-    predicted step time beside the measured median (steps after the first two), with the error; the measured best
+    predicted step time beside the measured one (planner.steady_step_ms), with the error; the measured best
     last. One run at a time: each has the machine."""
     from minipar.parallel.layout import Layout
-    from minipar.parallel.planner import shortlist
-    from minipar.testing import mpiexec
+    from minipar.parallel.planner import shortlist, steady_step_ms
+    from minipar.testing import train_cli
 
     chosen = shortlist(predictions, args.check, Layout(dp=args.world))
-    if args.check_steps < 3:
-        raise ValueError(f"--check-steps must be >= 3 (the first two steps are warm-up), got {args.check_steps}")
+    if args.check_steps < 4:
+        raise ValueError(f"--check-steps must be >= 4 (the first half are warm-up), got {args.check_steps}")
     print(f"{'layout':<44}{'predicted ms':>13}{'measured ms':>13}{'error':>8}", flush=True)
     measured = []
     for prediction in chosen:
         flags = [*prediction.layout.flags(), *model_flags, "--steps", str(args.check_steps), "--warmup", "1",
                  "--eval-interval", "0", "--json", "--log-interval", "1"]
-        command = [mpiexec(), "-n", str(args.world), sys.executable, "-m", "minipar", "train", *flags]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=args.check_timeout)
-        if done.returncode:
-            raise RuntimeError(f"{prediction.layout}: train failed (exit {done.returncode}): "
-                               f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}")
-        steps = [json.loads(line)["ms"] for line in done.stdout.splitlines() if line.startswith("{") and '"ms"' in line]
-        ms = statistics.median(steps[2:])
+        try:  # as the user's mpiexec runs it: each rank its share of the cores for BLAS
+            records = train_cli(flags, args.world, timeout=args.check_timeout, one_thread=False)[0]
+        except AssertionError as e:
+            raise RuntimeError(f"{prediction.layout}: train failed: {str(e).strip().splitlines()[-1]}") from None
+        ms = steady_step_ms(records)
         measured.append((ms, prediction))
         error = (prediction.step_time * 1e3 - ms) / ms
         print(f"{str(prediction.layout):<44}{prediction.step_time * 1e3:>13.1f}{ms:>13.1f}{error:>+8.0%}", flush=True)
@@ -217,7 +217,7 @@ def plan_profile(args: argparse.Namespace) -> Any:
     """--profile, else this machine's calibration for --world ranks — measured now (mpiexec -n WORLD, a few
     seconds) when missing and the world fits this machine; else the stated default, a100-80gb."""
     from minipar.parallel import planner
-    from minipar.testing import RANK_ENV, mpiexec
+    from minipar.testing import mpiexec, rank_environment
 
     try:
         return planner.load_profile(args.profile, args.world)
@@ -232,7 +232,8 @@ def plan_profile(args: argparse.Namespace) -> Any:
     print(f"no calibration of this machine for {args.world} rank(s) yet: measuring it "
           f"(mpiexec -n {args.world} python -m minipar plan --calibrate) -> {path}", file=sys.stderr, flush=True)
     command = [mpiexec(), "-n", str(args.world), sys.executable, "-m", "minipar", "plan", "--calibrate", "--profile", path]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, **RANK_ENV})
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600,  # BLAS threads as train's ranks have
+                          env=rank_environment(one_thread=False))
     if done.returncode:
         raise RuntimeError(f"calibration failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
     return planner.load_profile(path, args.world)
@@ -300,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--check", type=int, default=0, metavar="K",
                     help="run the K best predicted layouts and plain dp with train on this machine, print predicted "
                          "against measured, and the measured best")
-    pl.add_argument("--check-steps", type=int, default=8, help="--check: steps per run (the first two not timed)")
+    pl.add_argument("--check-steps", type=int, default=16, help="--check: steps per run (the first half not timed)")
     pl.add_argument("--check-timeout", type=float, default=600.0, help="--check: seconds a run may take")
     la = commands.add_parser("launch", help="run train under mpiexec; restart it from the newest checkpoint when a rank "
                                             "dies, on fewer ranks if a host keeps failing", allow_abbrev=False,

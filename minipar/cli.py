@@ -231,7 +231,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--check", type=int, default=0, metavar="K",
                      help="--auto: train the K best predicted layouts and plain dp for --check-steps steps each, "
                           "then run the measured fastest")
-    par.add_argument("--check-steps", type=int, default=8, help="--check: steps per trial (the first two not timed)")
+    par.add_argument("--check-steps", type=int, default=16, help="--check: steps per trial (the first half not timed)")
 
 
 AUTO_CHOOSES = {"dp", "tp", "pp", "zero", "microbatches", "schedule", "cp", "cp_kind", "sp", "ep", "virtual_stages",
@@ -248,8 +248,8 @@ def choose_layout(args: argparse.Namespace, world: Communicator,
     given = sorted(AUTO_CHOOSES & getattr(args, "explicit", set()))
     if given:
         raise ValueError(f"--auto chooses the layout itself: drop --{given[0].replace('_', '-')}")
-    if args.check and args.check_steps < 3:
-        raise ValueError(f"--check-steps must be >= 3 (the first two steps are warm-up), got {args.check_steps}")
+    if args.check and args.check_steps < 4:
+        raise ValueError(f"--check-steps must be >= 4 (the first half are warm-up), got {args.check_steps}")
     try:
         profile = planner.load_profile(args.profile, world.size)
     except FileNotFoundError:
@@ -283,7 +283,7 @@ def choose_layout(args: argparse.Namespace, world: Communicator,
         times = []
         for layout, predicted in zip(layouts, choice):
             records = trial(layout_arguments(args, layout, steps=args.check_steps))
-            times.append(float(np.median([r["ms"] for r in records if "loss" in r][2:])))
+            times.append(planner.steady_step_ms(records))
             say(f"auto:   {str(layout):<44} predicted {predicted['step_ms']:8.1f} ms, measured {times[-1]:8.1f} ms "
                 f"({(predicted['step_ms'] - times[-1]) / times[-1]:+.0%})", flush=True)
         times = world.broadcast(np.array(times), root=0, label="plan").tolist()  # rank 0's clock decides

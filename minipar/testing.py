@@ -85,11 +85,21 @@ def mpiexec() -> str:
 RANK_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
+def rank_environment(one_thread: bool = True) -> dict[str, str]:
+    """The ranks' environment: this one with :data:`RANK_ENV` (one BLAS thread per rank: tests run side by side), or
+    (``one_thread=False``) without any BLAS thread setting — as a user's ``mpiexec`` runs them, each rank taking its
+    share of the cores (backend.share_cores)."""
+    if one_thread:
+        return {**os.environ, **RANK_ENV}
+    return {**{k: v for k, v in os.environ.items() if k not in RANK_ENV}, "PYTHONUNBUFFERED": "1"}
+
+
 def run_command(n: int, command: list[str], timeout: float = 60.0, env: dict[str, str] | None = None,
-                launcher: list[str] | None = None) -> str:
+                launcher: list[str] | None = None, one_thread: bool = True) -> str:
     """Run ``mpiexec [launcher...] -n n command...``; return its output, or raise AssertionError on failure or
-    timeout. ``launcher``: extra mpiexec options, e.g. ``["-hosts", "a,b", "-ppn", "2"]``."""
-    full_env = {**os.environ, **RANK_ENV, **(env or {})}
+    timeout. ``launcher``: extra mpiexec options, e.g. ``["-hosts", "a,b", "-ppn", "2"]``; ``one_thread``: see
+    :func:`rank_environment`."""
+    full_env = {**rank_environment(one_thread), **(env or {})}
     proc = subprocess.Popen([mpiexec(), *(launcher or []), "-n", str(n), *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=full_env, start_new_session=True, text=True)
     start = time.monotonic()
@@ -113,18 +123,20 @@ def run_ranks(n: int, fn: Callable[..., Any], *args: Any, timeout: float = 60.0,
     return run_command(n, command, timeout=timeout, env=env, launcher=launcher)
 
 
-def train_cli(args: list[str], ranks: int = 1, out: str | None = None, timeout: float = 300.0) -> tuple[list, dict | None]:
+def train_cli(args: list[str], ranks: int = 1, out: str | None = None, timeout: float = 300.0,
+              one_thread: bool = True) -> tuple[list, dict | None]:
     """Run ``python -m minipar train *args`` (which should include --json) on ``ranks`` ranks — plain
     python for one — and return its JSON records and, when ``out`` is given (passed as --out), the
-    parameters it saved."""
+    parameters it saved. ``one_thread``: see :func:`rank_environment`."""
     command = [sys.executable, "-m", "minipar", "train", *args, *(["--out", out] if out else [])]
     if ranks == 1:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **RANK_ENV})
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                              env=rank_environment(one_thread))
         if proc.returncode:
             raise AssertionError(f"training failed (exit {proc.returncode}):\n{_tail(proc.stderr)}")
         text = proc.stdout
     else:
-        text = run_command(ranks, command, timeout=timeout)
+        text = run_command(ranks, command, timeout=timeout, one_thread=one_thread)
     records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     if out is None:
         return records, None

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from minipar.__main__ import main
+from minipar.parallel.planner import default_profile_path
 
 TINY = ["--n-layer", "1", "--n-head", "2", "--n-embd", "16", "--block-size", "16", "--batch-size", "4"]
 
@@ -94,7 +95,7 @@ def test_text_progress_line():
     (["train", "--zero", "1", "--no-prefetch"], "--no-prefetch has no effect here: it needs --zero 3"),
     (["train", "--save-interval", "5"], "--save-interval has no effect here: it needs --save"),
     (["train", "--auto", "--tp", "1"], "--auto chooses the layout itself: drop --tp"),
-    (["train", "--auto", "--check", "2", "--check-steps", "2"], "--check-steps must be >= 3 (the first two steps"),
+    (["train", "--auto", "--check", "2", "--check-steps", "2"], "--check-steps must be >= 4 (the first half are warm-up)"),
     (["train", "--comm-timeout", "-1"], "--comm-timeout must be >= 0"),
     (["plan", "--world", "0"], "--world must be positive, got 0"),
     (["plan", "--batch-size", "0"], "--batch-size must be positive, got 0"),
@@ -299,11 +300,12 @@ def test_plan_calibrates_when_no_profile_exists_and_auto_saves_its_calibration(t
     assert plan.returncode == 0, plan.stderr
     rows = [line for line in plan.stdout.splitlines() if line.strip()[:1].isdigit() and "·tp" in line]
     assert "measuring it" in plan.stderr and len(rows) == 2  # which layouts rank first depends on the measurement
-    assert (tmp_path / ".cache" / "minipar" / "profile-cpu-2ranks.json").is_file()
+    assert os.path.isfile(default_profile_path(2).replace(os.path.expanduser("~"), str(tmp_path)))
     huge = subprocess.run([sys.executable, "-m", "minipar", "plan", "--world", "4096", "--preset", "gpt3-175b",
                            "--top", "1"], capture_output=True, text=True, timeout=300, env=env)
     assert huge.returncode == 0 and "using --profile a100-80gb" in huge.stderr, huge.stderr
     auto = subprocess.run([sys.executable, "-m", "minipar", "train", *TINY, "--auto", "--steps", "1",
                            "--eval-interval", "0"], capture_output=True, text=True, timeout=300, env=env)
     assert auto.returncode == 0, auto.stderr
-    assert (tmp_path / ".cache" / "minipar" / "profile-cpu-1ranks.json").is_file() and "calibrated" in auto.stdout
+    assert os.path.isfile(default_profile_path(1).replace(os.path.expanduser("~"), str(tmp_path)))
+    assert "calibrated" in auto.stdout

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -214,9 +215,95 @@ def test_calibration_measures_this_machine(tmp_path):
     path = tmp_path / "cpu.json"
     run_command(2, [sys.executable, "-m", "minipar", "plan", "--calibrate", "--profile", str(path)], timeout=120)
     profile = planner.Profile.load(str(path))
-    assert profile.flops > 1e8 and profile.bandwidth > 1e8 and profile.intra.alpha > 0 and profile.cores >= 1
-    assert set(profile.gemm_flops_by_rows) == {"16", "64", "256", "1024", "4096"} and "2" in profile.alpha_by_group
+    assert profile.flops > 1e8 and profile.bandwidth > 1e8 and profile.intra.alpha > 0
+    assert set(profile.gemm_flops_by_rows) == {"16", "64", "256", "1024", "4096"}
+    assert set(profile.alpha_by_group) == set(profile.beta_by_group) == {"2"} and 0 <= profile.overlap <= 1
     assert 0 < profile.fp8_flops < profile.flops  # the emulation quantizes both operands before its float32 GEMM
+    assert profile.passes_act + profile.passes_replicated > 0 and profile.passes_replicated > 0
+
+
+@pytest.mark.slow  # 15 s of timings
+def test_calibrated_terms_match_direct_timings():
+    """What the calibration fitted predicts what it did not measure: a GPT layer forward + backward at a shape none of
+    its probes has (C=64, T=128, b=4, H=4: GEMMs by the table, passes, the fixed cost), a layer norm + residual add at
+    another width, an AdamW step of another model — each against the same thing timed here, directly. Within 35%:
+    on a shared 2-core VM one timing swings by ±15%, a term fitted wrong (the fixed costs of the small probes taken
+    for passes, say) is off by more."""
+    from minipar.autograd import Tensor
+    from minipar.comm import Communicator
+    from minipar.models.gpt import GPT
+    from minipar.nn import LayerNorm
+    from minipar.optim import AdamW
+
+    profile = planner.calibrate(Communicator())
+
+    def timed(fn, calls=5):  # the fastest of three rounds, as the calibration keeps its fastest window
+        fn()
+        rounds = []
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            rounds.append((time.perf_counter() - start) / calls)
+        return min(rounds)
+
+    C, T, b, H = 64, 128, 4, 4
+    assert (C, T, b, H) not in planner.PROBE_SHAPES
+    idx = np.random.default_rng(0).integers(0, 256, (b, T))
+    layer_times = []
+    for layers in (1, 3):
+        model = GPT(GPTConfig(vocab_size=256, block_size=T, n_layer=layers, n_head=H, n_embd=C), seed=0)
+        layer_times.append(timed(lambda: model(idx, idx)[1].backward(), calls=3))
+    measured = (layer_times[1] - layer_times[0]) / 2
+    t, per_pass = b * T, 4 / profile.bandwidth
+    predicted = ((2 * t * 12 * C * C + 4 * b * T * T * C) * 3 / profile.gemm_flops(t) + profile.op_overhead
+                 + ((profile.passes_act + profile.passes_replicated) * t * C + profile.passes_att * b * H * T * T) * per_pass)
+    assert measured / 1.35 < predicted < measured * 1.35, (predicted, measured)
+
+    x, norms = np.random.default_rng(1).standard_normal((1024, 96)).astype(np.float32), [LayerNorm(96), LayerNorm(96)]
+
+    def norms_and_adds():
+        h = Tensor(x, requires_grad=True)
+        for norm in norms:
+            h = h + norm(h)
+        h.sum().backward()
+    measured = timed(norms_and_adds)
+    assert measured / 1.35 < profile.passes_replicated * x.size * per_pass < measured * 1.35
+
+    model = GPT(GPTConfig(vocab_size=256, block_size=64, n_layer=2, n_head=4, n_embd=192), seed=0)
+    optimizer, grads = AdamW(model.parameters(), lr=1e-3), [np.ones_like(p.data) for p in model.parameters()]
+
+    def adamw():
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+        optimizer.step()
+        optimizer.zero_grad()
+    measured = timed(adamw)
+    predicted = profile.optimizer_passes * 4 * model.num_parameters() / profile.bandwidth + profile.step_overhead
+    assert measured / 1.35 < predicted < measured * 1.35, (predicted, measured)
+
+
+def test_the_layer_fit_recovers_known_costs():
+    """fit_layer_costs on timings made from known costs — GEMMs at the profile's table, 180 passes over t·C and 30
+    over b·H·T² at 20 GB/s, 300 µs per layer, 5 passes over the logits and 2 ms per microbatch — gives them back;
+    a cost the timings do not carry (no fixed cost per layer) comes back 0, not negative."""
+    profile = planner.Profile("test", flops=1e11, bandwidth=2e10, op_overhead=0.0, memory=1e9, devices_per_node=1,
+                              intra=planner.Link(0, 0), inter=planner.Link(0, 0),
+                              gemm_flops_by_rows={"16": 2e10, "256": 8e10, "4096": 1e11})
+    for per_layer_fixed in (3e-4, 0.0):
+        probes = []
+        for C, T, b, H in planner.PROBE_SHAPES:
+            t, per_pass = b * T, 4 / 2e10
+            layer = ((2 * t * 12 * C * C + 4 * b * T * T * C) * 3 / profile.gemm_flops(t)
+                     + (180 * t * C + 30 * b * H * T * T) * per_pass + per_layer_fixed)
+            head = 6 * t * C * 256 / profile.gemm_flops(t) + 5 * t * 256 * per_pass + 2e-3
+            probes.append((C, T, b, H, head + layer, head + 3 * layer))
+        fitted = planner.fit_layer_costs(probes, profile)
+        expected = {"passes_act": 180, "passes_att": 30, "op_overhead": per_layer_fixed, "passes_logits": 5,
+                    "microbatch_overhead": 2e-3}
+        assert fitted.keys() == expected.keys()
+        for name, value in expected.items():
+            assert fitted[name] == pytest.approx(value, rel=1e-9, abs=1e-15), name
 
 
 def test_plan_command_prints_a_ranking():
@@ -264,10 +351,10 @@ def test_train_auto_check_trains_the_measured_best(tmp_path):
                             text=True, timeout=120)
     planner.BUILTIN_PROFILES["a100-80gb"].save(str(tmp_path / "profile.json"))
     out = run_command(2, [sys.executable, "-m", "minipar", "train", *flags, "--auto", "--check", "2", "--check-steps",
-                          "3", "--profile", str(tmp_path / "profile.json"), "--log-file", str(tmp_path / "log.jsonl")],
+                          "4", "--profile", str(tmp_path / "profile.json"), "--log-file", str(tmp_path / "log.jsonl")],
                       timeout=120)
     lines = out.splitlines()
-    assert any(line.startswith("auto: checking the 3 best predicted of ") and line.endswith(", 3 steps each")
+    assert any(line.startswith("auto: checking the 3 best predicted of ") and line.endswith(", 4 steps each")
                for line in lines)
     trials = {}
     for line in lines:
@@ -276,7 +363,8 @@ def test_train_auto_check_trains_the_measured_best(tmp_path):
             predicted, measured, error = (float(v) for v in
                                           numbers.replace(" ms,", "").replace("measured", "").replace(" ms (", " ")
                                           .rstrip("%)").split())
-            assert abs(error - round((predicted - measured) / measured * 100)) <= 1
+            bounds = [(predicted + dp - measured - dm) / (measured + dm) * 100 for dp in (-0.05, 0.05) for dm in (-0.05, 0.05)]
+            assert min(bounds) - 0.5 <= error <= max(bounds) + 0.5  # from numbers printed to 0.1 ms and 1%
             trials[layout.strip()] = measured
     assert len(trials) == 3 and "dp2·tp1·pp1 zero0 m1" in trials
     best = min(trials, key=trials.get)

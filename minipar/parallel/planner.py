@@ -9,7 +9,8 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
               + the memory-bound passes at ``bandwidth``: ``passes_act``·t·C/tp (inside the tp regions),
               ``passes_replicated``·t·C (layer norms, dropout, residuals: on every tp rank, ÷tp with sp) and
               ``passes_att``·b·H·T²/tp (unfused attention scores; the forward's 40% again with selective
-              recomputation), + ``ops_per_layer`` launches at ``op_overhead``; the head adds 6·t·C·V/tp.
+              recomputation), + ``ops_per_layer`` launches at ``op_overhead``; the head adds 6·t·C·V/tp FLOPs and
+              ``passes_logits``·t·V/tp passes, each microbatch ``microbatch_overhead`` (embedding, loss).
               12C² is cfg.layer_weights() (Llama's GQA and SwiGLU, DeepSeek's latent projections), 4·b·T²·C the
               core's 2·b·T²·H·(D_qk + D_v) (:func:`attention_core_flops`; DeepSeek's heads padded to one width);
               each of DeepSeek's D MTP modules adds a layer, its 2C → C projection and a head on the last stage
@@ -26,7 +27,7 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
               all-reduce of Ψ_l/K across the dp/K groups); ZeRO-2/3 reduce-scatter after each of the m
               microbatches (:func:`data_parallel_passes`); ZeRO-3 all-gathers Ψ_l per microbatch forward and
               backward, prefetched: exposed is what compute (× ``overlap``) cannot hide, at least one unit's
-              gather; + the AdamW pass
+              gather; + the AdamW pass and ``step_overhead``
     context   cp ranks split each sequence: per rank t/cp tokens and 1/cp of the attention FLOPs (zigzag
               balances the causal work). Ring: per layer and microbatch cp−1 exchanges of K|V
               (t/cp·K'·(D_qk + D_v) values, K' = the K/V heads of a tp rank, never repeated to H:
@@ -47,7 +48,8 @@ Cost model, per optimizer step on the busiest device (t = b·T tokens per microb
               under cp each MoE layer all-gathers the routing choices, t·k int64 per rank
     fp8       (--precision fp8) the block Linears' GEMMs at ``fp8_flops`` (the rest at the bf16 rate); ZeRO-3 gathers
               their weights in e4m3 under tensorwise (:func:`gathered_bytes`)
-    links     a group inside one node (``devices_per_node``) uses ``intra``, else ``inter`` (α, β)
+    links     a group inside one node (``devices_per_node``) uses ``intra``, else ``inter`` (α, β); a calibrated CPU
+              profile has its own α and β per group size, measured with every rank busy (:func:`calibrate`)
 
 Memory per device: model states (``model_state_bytes``; mixed precision 16Ψ_l (DP), 4Ψ_l + 12Ψ_l/dp (ZeRO-1),
 2Ψ_l + 14Ψ_l/dp (ZeRO-2), 16Ψ_l/dp (ZeRO-3); float32 16Ψ_l, 8Ψ_l + 8Ψ_l/dp, 4Ψ_l + 12Ψ_l/dp, 16Ψ_l/dp)
@@ -101,15 +103,18 @@ class Profile:
     intra: Link
     inter: Link
     overlap: float = 0.5         # share of data-parallel communication hidden behind backward
-    cores: int | None = None     # CPU: all ranks of a node share this many cores
-    contention: float = 1.0      # CPU: how much slower each rank computes when all ranks compute at once
     passes_act: float = 255.0    # memory-bound element passes per layer over t·C (fwd+bwd), minipar's ops, ÷tp
     passes_att: float = 39.0     # ... over b·H·T² (unfused attention; 0 with flash attention)
     passes_replicated: float = 0.0  # ... over t·C that every tp rank repeats unless --sp (layer norms, dropout, residuals)
+    passes_logits: float = 4.0   # ... over the head's t·V/tp logits (softmax, cross-entropy and their gradients)
     p2p_split: bool = False      # pipeline sends split over the tp ranks (Megatron's scatter/gather), else whole on each
     ops_per_layer: float = 100.0
+    microbatch_overhead: float = 0.0  # seconds per microbatch beyond its layers' and the head's (embedding, loss)
+    step_overhead: float = 0.0   # seconds per step of the optimizer beyond its passes over the parameters
+    optimizer_passes: float = 7.0  # the optimizer's float32 passes per parameter (AdamW: p, g, m, v read, p, m, v written)
     gemm_flops_by_rows: dict[str, float] = field(default_factory=dict)  # measured FLOP/s of an (M×C)(C×4C) GEMM by M
     alpha_by_group: dict[str, float] = field(default_factory=dict)      # ring step latency with every rank busy, by group size
+    beta_by_group: dict[str, float] = field(default_factory=dict)       # s/byte a ring all-reduce adds to a computing rank
     gemm_efficiency: float = 1.0  # ... × the share of it a large GEMM reaches (GPU: fitted, validation.py)
     fp8_flops: float = 0.0       # FP8 GEMM FLOP/s, as ``flops`` is bf16's (0: no FP8 tensor cores — an A100 — the
                                  # GEMMs run at the bf16 rate); a CPU's: minipar's emulation, quantization included
@@ -129,7 +134,7 @@ class Profile:
     def link(self, group: int, span: int) -> Link:
         """The link of a ``group``-rank group spread over ``span`` consecutive ranks (latency as measured under load)."""
         base = self.intra if span <= self.devices_per_node else self.inter
-        return Link(self.alpha_by_group.get(str(group), base.alpha), base.beta)
+        return Link(self.alpha_by_group.get(str(group), base.alpha), self.beta_by_group.get(str(group), base.beta))
 
     def save(self, path: str) -> None:
         atomic_write(path, [json.dumps(dataclasses.asdict(self), indent=1).encode()])
@@ -191,7 +196,6 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     V = math.ceil(cfg.vocab_size / tp) * tp
     b = batch_size / (dp * m)
     t = b * T / cp  # tokens per rank and microbatch
-    share = profile.contention if profile.cores else 1.0  # CPU: the ranks time-share the cores
     recompute = layout.recompute
     passes = 4.0 if recompute == "full" else 3.0  # forward + backward (+ the forward again)
 
@@ -217,7 +221,7 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     replicated = profile.passes_replicated * t * C / (tp if layout.sp else 1)
     layer_bytes = ((profile.passes_act * t * C / tp + replicated) * passes / 3
                    + attention_passes * b * H * T * T / (cp * tp)) * itemsize
-    head_time = 6 * t * C * V / tp / flops + 4 * t * V / tp * itemsize / profile.bandwidth
+    head_time = 6 * t * C * V / tp / flops + profile.passes_logits * t * V / tp * itemsize / profile.bandwidth
     tp_link = profile.link(tp, tp)
     tp_time = ((tensor_all_reduces(cfg, layout) * L / pp + 2) * _ring_all_reduce(t * C * itemsize, tp, tp_link)
                if tp > 1 else 0.0)
@@ -238,8 +242,8 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
     head_gemm = 6 * t * C * V / tp / flops
     parts = {"gemm": blocks * gemm_time + (1 + mtp) * head_gemm + mtp * 3 * 2 * t * 2 * C * C / flops,
              "memory_bound": blocks * layer_bytes / profile.bandwidth + (1 + mtp) * (head_time - head_gemm),
-             "op_overhead": blocks * profile.ops_per_layer * profile.op_overhead}
-    stage_compute = sum(parts.values()) * share
+             "op_overhead": blocks * profile.ops_per_layer * profile.op_overhead + (1 + mtp) * profile.microbatch_overhead}
+    stage_compute = sum(parts.values())
     microbatch = stage_compute + tp_time + cp_time + ep_time + pp_time
     pipeline_time = m * microbatch / (1 - pipeline.bubble()) if pp > 1 else m * microbatch
 
@@ -251,18 +255,18 @@ def predict(cfg: Any, batch_size: int, layout: Layout, profile: Profile, itemsiz
         across = _ring_all_reduce(psi / shards * itemsize, group // shards, profile.link(group // shards, replicas * tp))
         reduce_time += reductions * (_ring_all_reduce(psi * itemsize, shards, link) / 2 + across)  # one RS: half
         gather_time += gathers * _ring_all_reduce(gathered_bytes(cfg, layout, psi, itemsize, k == 0), shards, link) / 2
-        optimizer_words += 7 * 4 * psi / (shards if layout.zero else 1)
+        optimizer_words += profile.optimizer_passes * 4 * psi / (shards if layout.zero else 1)
     exposed_dp = (reduce_time + gather_time) * (1 - profile.overlap)
     if layout.zero == 3:  # each microbatch's gathers are prefetched one unit ahead: hidden behind compute, but the first
         units = math.ceil(L / pp) + 1
         exposed_dp = reduce_time * (1 - profile.overlap) + max(gather_time / units,
                                                                gather_time - profile.overlap * m * stage_compute)
-    optimizer = optimizer_words / profile.bandwidth * share
+    optimizer = optimizer_words / profile.bandwidth + profile.step_overhead
     step = pipeline_time + exposed_dp + optimizer
 
     states, activations = memory_per_rank(cfg, batch_size, layout, itemsize)
     memory = states + activations
-    breakdown = {"compute": m * stage_compute, **{k: m * v * share for k, v in parts.items()},
+    breakdown = {"compute": m * stage_compute, **{k: m * v for k, v in parts.items()},
                  "bubble": pipeline_time - m * microbatch, "tp_comm": m * tp_time,
                  "cp_comm": m * cp_time, "ep_comm": m * ep_time, "pp_comm": m * pp_time, "dp_comm_exposed": exposed_dp,
                  "optimizer": optimizer, "model_states": states, "activations": activations}
@@ -533,6 +537,13 @@ def plan(cfg: Any, world: int, batch_size: int, profile: Profile, itemsize: int 
     return sorted(predictions, key=lambda p: (not p.feasible, p.step_time))
 
 
+def steady_step_ms(records: list[dict[str, Any]]) -> float:
+    """A run's step time as ``--check`` and the benchmarks measure it: the median over the second half of its steps (a
+    CPU run settles after a few steps: the heap grows to its working set, caches and BLAS threads warm up)."""
+    ms = [r["ms"] for r in records if "loss" in r]
+    return float(np.median(ms[len(ms) // 2:]))
+
+
 def shortlist(predictions: list[Prediction], k: int, plain: Layout) -> list[Prediction]:
     """The ``k`` best feasible predictions, and the ``plain`` layout (data parallelism alone) after them if it is not
     among them: what ``plan --check`` and ``train --auto --check`` measure."""
@@ -554,57 +565,79 @@ def megatron_flops(cfg: Any, batch_size: int, recompute: bool = True) -> float:
 # ------------------------------------------------------------------------------------ calibration
 
 
-def calibrate(comm: Any, memory_bytes: float | None = None) -> Profile:
-    """Measure this machine (all ranks must call; run with as many ranks as you will plan for):
+PROBE_SHAPES = ((32, 32, 2, 2), (128, 32, 16, 2), (32, 256, 2, 4), (96, 96, 6, 4), (128, 128, 8, 4),
+                (256, 64, 8, 4))  # (C, T, b, H) of the model probes: small ones for the fixed costs, larger for the rest
 
-    * on rank 0 alone (the others sleep, so it has the machine): GEMM FLOP/s for 16 … 4096-row
-      operands, an FP8 GEMM's as minipar emulates it (tensorwise quantization of both operands, then the
-      float32 GEMM: ``fp8_flops``), memory bandwidth, the cost of one small numpy op; then the same GEMMs on all ranks
-      at once: the ratio is how much slower a rank computes when the ranks share the cores;
+
+def calibrate(comm: Any, memory_bytes: float | None = None) -> Profile:
+    """Measure this machine (all ranks must call; run with as many ranks as you will plan for, BLAS threads as
+    training has them: backend.share_cores). A rank in training computes while the others compute too, so what
+    it computes per second is measured that way — every rank at it at once, each with its BLAS threads (one
+    process: both cores for its GEMMs, the rest on one; two ranks: a core each; four ranks on two cores: half a
+    core each) —, and no contention factor is guessed:
+
+    * GEMM FLOP/s for 16 … 4096-row operands (the slowest rank's), the bandwidth of an elementwise multiply;
+    * minipar's own GPT, forward + backward, with 1 and 3 layers at each of :data:`PROBE_SHAPES`: what a layer
+      spends beyond its GEMMs is fitted as elementwise passes over its t·C and b·H·T² values plus a fixed cost per
+      layer, what a microbatch spends beyond its layers and the head's GEMM as passes over the t·V logits plus a
+      fixed cost (:func:`fit_layer_costs`); an AdamW step on two model sizes: its passes over the parameters and
+      the rest;
+    * on rank 0 alone, an FP8 GEMM as minipar emulates it (both operands quantized tensorwise, then the float32
+      GEMM): ``fp8_flops`` is the GEMM table's best × its ratio to the float32 GEMM of the same shape;
     * α, β of a ping-pong between ranks 0 and 1;
-    * the latency of one ring step with *every* rank busy — computing between all-reduces, as in
-      training — for groups of 2, 4, … ranks running side by side: on an oversubscribed machine a
-      message also waits for its receiver to be scheduled, which dominates small messages.
+    * for groups of 2, 4, … ranks running side by side, with *every* rank busy as in training: the latency of one
+      ring step between all-reduces 2 ms of compute apart (on an oversubscribed machine a message also waits for
+      its receiver to be scheduled, which dominates small messages), and per byte what a 4 MB all-reduce adds to a
+      rank computing meanwhile (:func:`_busy_ring_seconds_per_byte`).
     """
-    measured = None
-    if comm.rank == 0:
-        rng = np.random.default_rng(0)
-        gemm = {}
-        for rows in (16, 64, 256, 1024, 4096):
-            a, w = rng.standard_normal((rows, 256)).astype(np.float32), rng.standard_normal((256, 1024)).astype(np.float32)
-            gemm[str(rows)] = 2 * rows * 256 * 1024 / _best_of(lambda: a @ w)
-        a, w = rng.standard_normal((1024, 256)).astype(np.float32), rng.standard_normal((256, 1024)).astype(np.float32)
-        tensorwise = RECIPES["tensorwise"]  # an FP8 GEMM as minipar emulates it: both operands quantized, then float32
-        fp8 = 2 * 1024 * 256 * 1024 / _best_of(lambda: fake_quantize(a, tensorwise, "input")
-                                               @ fake_quantize(w, tensorwise, "weight", 0))
-        gemm["fp8"] = max(gemm.values()) * fp8 / gemm["1024"]
-        big = np.ones(8 << 20, np.float32)
-        out = np.empty_like(big)
-        bandwidth = 2 * big.nbytes / _best_of(lambda: np.multiply(big, 1.5, out=out))
-        measured = json.dumps({"gemm": gemm, "bandwidth": bandwidth, "layer_overhead": _layer_overhead()})
-    else:
-        while not comm.mpi.Iprobe(source=0, tag=8):  # idle without spinning until rank 0 is done
-            time.sleep(0.01)
-        comm.recv(np.empty(1), 0, tag=8)
-    if comm.rank == 0:
-        for r in range(1, comm.size):
-            comm.send(np.zeros(1), r, tag=8, label="calibration")
-    local = json.loads(comm.all_gather_bytes((measured or "").encode(), label="calibration")[0])
+    slowest = lambda seconds: slowest_of(comm, seconds)  # noqa: E731
     rng = np.random.default_rng(comm.rank)
-    a, w = rng.standard_normal((256, 256)).astype(np.float32), rng.standard_normal((256, 1024)).astype(np.float32)
+    gemm = {}
+    for rows in (16, 64, 256, 1024, 4096):
+        a, w = rng.standard_normal((rows, 256)).astype(np.float32), rng.standard_normal((256, 1024)).astype(np.float32)
+        comm.barrier()
+        gemm[str(rows)] = 2 * rows * 256 * 1024 / slowest(_sustained(lambda: a @ w))
+    big = np.ones(8 << 20, np.float32)
+    out = np.empty_like(big)
     comm.barrier()
-    together = 2 * 256 * 256 * 1024 / _best_of(lambda: [a @ w for _ in range(20)]) * 20
-    together = float(comm.all_reduce(np.array([together]), op="avg", label="calibration")[0])
-    contention = max(1.0, local["gemm"]["256"] / together)
+    bandwidth = 2 * big.nbytes / slowest(_sustained(lambda: np.multiply(big, 1.5, out=out)))
+    del big, out
+    probes = []
+    for C, T, b, H in PROBE_SHAPES:
+        timings = []
+        for layers in (1, 3):
+            comm.barrier()
+            timings.append(slowest(_model_probe(C, T, b, H, layers)))
+        probes.append((C, T, b, H, *timings))
+    C, T, b, _ = PROBE_SHAPES[-2]
+    comm.barrier()
+    replicated = slowest(_replicated_probe(C, b * T))  # a layer's two layer norms and residual adds, forward + backward
+    comm.barrier()
+    optimizer = [(slowest(seconds), parameters) for seconds, parameters in (_optimizer_probe(64), _optimizer_probe(256))]
+    fp8_ratio = None
+    if comm.rank == 0:  # alone: the others wait without spinning
+        a, w = rng.standard_normal((1024, 256)).astype(np.float32), rng.standard_normal((256, 1024)).astype(np.float32)
+        tensorwise = RECIPES["tensorwise"]
+        fp8_ratio = _fastest(lambda: a @ w) / _fastest(lambda: fake_quantize(a, tensorwise, "input")
+                                                       @ fake_quantize(w, tensorwise, "weight", 0))
+        for r in range(1, comm.size):
+            comm.send(np.array([fp8_ratio]), r, tag=8, label="calibration")
+    else:
+        while not comm.mpi.Iprobe(source=0, tag=8):
+            time.sleep(0.01)
+        ratio = np.empty(1)
+        comm.recv(ratio, 0, tag=8)
+        fp8_ratio = float(ratio[0])
     alpha = beta = 0.0
     if comm.size > 1:
         alpha = _pingpong(comm, 8)
         beta = max(0.0, (_pingpong(comm, 8 << 20) - alpha) / (8 << 20))
-    alpha_by_group = {}
-    burst = np.random.default_rng(1).standard_normal((96, 96))
-    work = lambda: burst @ burst @ burst  # noqa: E731  (≈ the compute between two tensor-parallel all-reduces)
-    alone = _best_of(work)
-    share = max(1.0, comm.size / (os.cpu_count() or 1))
+    alpha_by_group, beta_by_group = {}, {}
+    burst = np.random.default_rng(1).standard_normal((256, 256)).astype(np.float32)
+    reps = max(1, round(2e-3 / _fastest(lambda: burst @ burst)))  # ≈ 2 ms of GEMMs: what a layer computes between two
+    work = lambda: [burst @ burst for _ in range(reps)]  # noqa: E731  tensor-parallel all-reduces (a scheduler's slice)
+    comm.barrier()
+    alone = _sustained(work)  # with every rank at it: the share of the cores each has
     group = 2
     while group <= comm.size:
         if comm.size % group == 0:
@@ -613,36 +646,146 @@ def calibrate(comm: Any, memory_bytes: float | None = None) -> Profile:
             sub.all_reduce(x, algorithm="ring")
             comm.barrier()
             t0 = time.perf_counter()
-            for _ in range(40):
+            for _ in range(20):
                 work()
                 sub.all_reduce(x, algorithm="ring", label="calibration")
-            waited = (time.perf_counter() - t0) / 40 - alone * share
-            step = max(waited, 1e-6) / (2 * (group - 1))
-            alpha_by_group[str(group)] = float(comm.all_reduce(np.array([step]), op="max", label="calibration")[0])
+            waited = (time.perf_counter() - t0) / 20 - alone
+            alpha_by_group[str(group)] = slowest(max(waited, 1e-6) / (2 * (group - 1)))
+            beta_by_group[str(group)] = slowest(_busy_ring_seconds_per_byte(sub, comm, rng))
         group *= 2
     link = Link(alpha, beta)
-    fp8_flops = local["gemm"].pop("fp8")
-    return Profile("cpu (calibrated)", flops=max(local["gemm"].values()), bandwidth=local["bandwidth"],
-                   op_overhead=local["layer_overhead"], ops_per_layer=1.0, memory=memory_bytes or physical_memory(),
-                   devices_per_node=max(comm.size, 64), intra=link, inter=link, overlap=0.3, cores=os.cpu_count() or 1,
-                   contention=contention,
-                   gemm_flops_by_rows=local["gemm"], alpha_by_group=alpha_by_group, fp8_flops=fp8_flops)
+    profile = Profile("cpu (calibrated)", flops=max(gemm.values()), bandwidth=bandwidth, op_overhead=0.0,
+                      ops_per_layer=1.0, memory=memory_bytes or physical_memory(), devices_per_node=max(comm.size, 64),
+                      intra=link, inter=link, overlap=0.0, passes_replicated=0.0, gemm_flops_by_rows=gemm,
+                      alpha_by_group=alpha_by_group, beta_by_group=beta_by_group, fp8_flops=max(gemm.values()) * fp8_ratio)
+    costs = fit_layer_costs(probes, profile)
+    costs["passes_replicated"] = min(costs["passes_act"], replicated * bandwidth / (4 * b * T * C))
+    costs["passes_act"] -= costs["passes_replicated"]  # what tensor parallelism divides: the rest of the t·C passes
+    profile = dataclasses.replace(profile, **costs)
+    (small, few), (large, many) = optimizer  # an AdamW step: seconds per parameter, and the rest
+    per_parameter = max(0.0, (large - small) / (many - few))
+    return dataclasses.replace(profile, optimizer_passes=per_parameter * profile.bandwidth / 4,
+                               step_overhead=max(0.0, small - per_parameter * few))
 
 
-def _layer_overhead() -> float:
-    """Seconds of framework overhead per transformer layer and microbatch (forward + backward): the
-    step time of a GPT too small to compute anything, per added layer."""
+def _busy_ring_seconds_per_byte(group: Any, comm: Any, rng: np.random.Generator) -> float:
+    """What a 4 MB ring all-reduce over ``group`` adds to a rank's time, per byte it moves, when it runs — started
+    asynchronously, as the data-parallel engines start theirs — while the rank computes GEMMs (about twice its own
+    time's worth), every group of ``comm`` at it at once: (async all-reduce + compute − compute) / (2(g−1)/g · 4 MB).
+    A GPU's copy engines hide such an all-reduce behind compute; a CPU's ranks that already fill the cores lend its
+    progress their cycles, and with more ranks than cores each ring step waits for a scheduled peer — this measures
+    what that costs instead of guessing a share hidden (the profile's ``overlap`` is 0)."""
+    payload = np.zeros(1 << 20, np.float32)
+    moved = 2 * (group.size - 1) / group.size * payload.nbytes
+    comm.barrier()
+    alone = _per_call(lambda: group.all_reduce(payload, algorithm="ring", label="calibration"), 4)
+    a = rng.standard_normal((256, 256)).astype(np.float32)
+    reps = max(1, round(2 * alone / _fastest(lambda: a @ a)))
+    compute = lambda: [a @ a for _ in range(reps)]  # noqa: E731
+    comm.barrier()
+    computing = _per_call(compute, 4)
+
+    def both() -> None:
+        handle = group.all_reduce(payload, async_op=True, algorithm="ring", label="calibration")
+        compute()
+        handle.wait()
+    comm.barrier()
+    return max(0.0, _per_call(both, 4) - computing) / moved
+
+
+def slowest_of(comm: Any, seconds: float) -> float:
+    """The largest of every rank's ``seconds`` (a collective: every rank calls it)."""
+    return float(comm.all_reduce(np.array([seconds]), op="max", label="calibration")[0])
+
+
+def fit_layer_costs(probes: list[tuple[int, int, int, int, float, float]], profile: Profile,
+                    itemsize: int = 4, vocab: int = 256) -> dict[str, float]:
+    """The profile's non-GEMM terms from timings of minipar's GPT, forward + backward: per probe (C, T, b, H, seconds
+    with 1 layer, with 3 layers), t = b·T tokens. A layer's time is (3-layer − 1-layer)/2; less its GEMMs
+    ((2·t·12C² + 4·b·T²·C)·3 FLOPs at ``profile.gemm_flops(t)``) it is fitted, least squares, as
+    x₁·t·C + x₂·b·H·T² + x₃ — elementwise passes over the activations and the attention scores, and a fixed cost
+    per layer (a term whose fitted value is negative is dropped and the rest refitted: noise, not a speed-up).
+    The 1-layer model less one layer and the head's GEMM (6·t·C·V) is fitted as y₁·t·V + y₂. Returned in the
+    profile's units: passes (x·bandwidth/itemsize), seconds per layer and per microbatch."""
+    layer_rows, layer_rest, head_rows, head_rest = [], [], [], []
+    for C, T, b, H, one, three in probes:
+        t, per_layer = b * T, (three - one) / 2
+        gemm = (2 * t * 12 * C * C + 4 * b * T * T * C) * 3 / profile.gemm_flops(t)
+        layer_rows.append([t * C, b * H * T * T, 1.0])
+        layer_rest.append(per_layer - gemm)
+        head_rows.append([t * vocab, 1.0])
+        head_rest.append(one - per_layer - 6 * t * C * vocab / profile.gemm_flops(t))
+    x, y = _nonnegative_least_squares(layer_rows, layer_rest), _nonnegative_least_squares(head_rows, head_rest)
+    per_pass = itemsize / profile.bandwidth  # seconds per element pass
+    return {"passes_act": x[0] / per_pass, "passes_att": x[1] / per_pass, "op_overhead": x[2],
+            "passes_logits": y[0] / per_pass, "microbatch_overhead": y[1]}
+
+
+def _nonnegative_least_squares(rows: list[list[float]], values: list[float]) -> list[float]:
+    """Least squares with every coefficient ≥ 0: solve, drop the columns that came out negative, solve again."""
+    a, v = np.array(rows, float), np.array(values, float)
+    keep = list(range(a.shape[1]))
+    while True:
+        scale = np.abs(a[:, keep]).max(axis=0)  # columns of t·C and of 1 differ by 10⁶: solve on scaled columns
+        solution = np.linalg.lstsq(a[:, keep] / scale, v, rcond=None)[0] / scale
+        if (solution >= 0).all() or len(keep) == 1:
+            coefficients = [0.0] * a.shape[1]
+            for k, value in zip(keep, solution):
+                coefficients[k] = max(0.0, float(value))
+            return coefficients
+        keep = [k for k, value in zip(keep, solution) if value >= 0] or [keep[int(np.argmax(solution))]]
+
+
+def _model_probe(C: int, T: int, b: int, H: int, layers: int) -> float:
+    """Seconds of one forward + backward of minipar's GPT (float32, vocabulary 256): the median of a few."""
     from minipar.models.gpt import GPT, GPTConfig
 
-    idx = np.zeros((1, 4), np.int64)
-    times = {}
-    for layers in (2, 6):
-        model = GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=layers, n_head=1, n_embd=8))
-        times[layers] = _best_of(lambda: model(idx, idx)[1].backward(), repeat=15)
-    return max(0.0, (times[6] - times[2]) / 4)
+    model = GPT(GPTConfig(vocab_size=256, block_size=T, n_layer=layers, n_head=H, n_embd=C), seed=0)
+    idx = np.random.default_rng(0).integers(0, 256, (b, T))
+
+    def step() -> None:
+        model(idx, idx)[1].backward()
+        for p in model.parameters():
+            p.grad = None
+    return _sustained(step, window=0.45, warmup=3)  # a model's first steps grow the heap
 
 
-def _best_of(fn: Any, repeat: int = 7) -> float:
+def _replicated_probe(C: int, tokens: int) -> float:
+    """Seconds of what every tensor-parallel rank repeats in a layer (sequence parallelism splits it): two layer
+    norms and two residual adds over (tokens, C), forward + backward."""
+    from minipar.autograd import Tensor
+    from minipar.nn import LayerNorm
+
+    norms = [LayerNorm(C), LayerNorm(C)]
+    x = np.random.default_rng(0).standard_normal((tokens, C)).astype(np.float32)
+
+    def step() -> None:
+        h = Tensor(x, requires_grad=True)
+        for norm in norms:
+            h = h + norm(h)
+        h.sum().backward()
+    return _sustained(step, window=0.2, warmup=3)
+
+
+def _optimizer_probe(width: int) -> tuple[float, int]:
+    """(seconds of an AdamW step and zero_grad on a 3-layer GPT of ``width``, its parameter count)."""
+    from minipar.models.gpt import GPT, GPTConfig
+    from minipar.optim import AdamW
+
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=3, n_head=2, n_embd=width), seed=0)
+    optimizer = AdamW(model.parameters(), lr=1e-3)
+    grads = [np.ones_like(p.data) for p in model.parameters()]
+
+    def step() -> None:
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g
+        optimizer.step()
+        optimizer.zero_grad()
+    return _sustained(step), model.num_parameters()
+
+
+def _fastest(fn: Any, repeat: int = 7) -> float:
+    """Seconds of ``fn()`` alone on the machine: the fastest of ``repeat`` runs after one untimed."""
     fn()
     times = []
     for _ in range(repeat):
@@ -650,6 +793,35 @@ def _best_of(fn: Any, repeat: int = 7) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def _per_call(fn: Any, calls: int) -> float:
+    """Seconds per ``fn()`` over ``calls`` calls after one untimed (a fixed count: ``fn`` may be a collective)."""
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t0) / calls
+
+
+def _sustained(fn: Any, window: float = 0.3, warmup: int = 1, rounds: int = 3) -> float:
+    """Seconds per ``fn()`` sustained over a window of calls (after ``warmup`` untimed): with more ranks than cores a
+    rank computes in the scheduler's slices, so one call's time says nothing of its share; a window's does. The
+    fastest of ``rounds`` windows of window/rounds seconds each: a shared VM has slow spells (its measurements
+    are taken the same way: the fastest of runs)."""
+    for _ in range(warmup):
+        fn()
+    best = math.inf
+    for _ in range(rounds):
+        calls, t0 = 0, time.perf_counter()
+        while True:
+            fn()
+            calls += 1
+            elapsed = time.perf_counter() - t0
+            if elapsed >= window / rounds:
+                break
+        best = min(best, elapsed / calls)
+    return best
 
 
 def _pingpong(comm: Any, nbytes: int, reps: int = 20) -> float:
@@ -708,9 +880,12 @@ def prediction_record(prediction: Prediction, train_flags: list[str]) -> dict[st
             "feasible": prediction.feasible}
 
 
+PROFILE_VERSION = 2  # what calibrate measures; a calibration of another version is not read (measured again)
+
+
 def default_profile_path(world: int) -> str:
     """This machine's calibration for ``world`` ranks (latencies under load depend on how many share the cores)."""
-    return os.path.join(os.path.expanduser("~"), ".cache", "minipar", f"profile-cpu-{world}ranks.json")
+    return os.path.join(os.path.expanduser("~"), ".cache", "minipar", f"profile-v{PROFILE_VERSION}-cpu-{world}ranks.json")
 
 
 def save_calibration(profile: Profile, world: int, path: str | None = None) -> str:
