@@ -6,7 +6,8 @@ For each world size (calibrated first, as ``plan`` does on first use: each rank 
 BLAS) and each model — the default GPT (L=4 H=4 C=128 T=128, batch 16, float32) and a wider one (C=256) — the
 ``--top`` best layouts the planner predicts and plain data parallelism are each trained ``--steps`` steps through
 the CLI, under mpiexec as a user runs it; measured is the median step time of the second half of its steps
-(planner.steady_step_ms: a CPU run settles after a few steps), the fastest of ``--repeats`` runs.
+(planner.steady_step_ms: a CPU run settles after a few steps), the fastest of ``--repeats`` runs (each a pass over
+all the layouts of a world, so that a slow spell of the machine hits one run of a layout, not both).
 Printed: a markdown table per model (for docs/planner.md, the CPU named), each world's largest error, and how much
 slower the planner's first choice measured than the fastest measured layout. ``--cache``: measured times are kept
 by world, model and layout, so a change to the cost model is re-checked against the same measurements
@@ -65,15 +66,17 @@ def main() -> None:
             model = ["--n-layer", "4", "--n-head", "4", "--n-embd", str(width), "--block-size", "128", "--batch-size",
                      str(args.batch_size)]
             rows = []
-            for prediction in planner.shortlist(planner.plan(cfg, world, args.batch_size, profile), args.top,
-                                                Layout(dp=world)):
-                key = f"{world}/{width}/{prediction.layout}"
-                if key not in cache:  # the fastest of --repeats runs: a shared VM has slow spells of seconds
-                    cache[key] = min(measure(world, [*model, *prediction.layout.flags()], args.steps)
-                                     for _ in range(args.repeats))
-                    with open(args.cache, "w") as f:
-                        json.dump(cache, f, indent=1)
-                measured, predicted = cache[key], prediction.step_time * 1e3
+            candidates = planner.shortlist(planner.plan(cfg, world, args.batch_size, profile), args.top, Layout(dp=world))
+            keys = [f"{world}/{width}/{prediction.layout}" for prediction in candidates]
+            for _ in range(args.repeats):  # each pass over every layout, the fastest run kept: a shared VM has slow
+                for key, prediction in zip(keys, candidates):  # spells of seconds, which then hit one run of a layout
+                    if len(cache.get(key, [])) < args.repeats:
+                        cache.setdefault(key, []).append(measure(world, [*model, *prediction.layout.flags()],
+                                                                 args.steps))
+                        with open(args.cache, "w") as f:
+                            json.dump(cache, f, indent=1)
+            for key, prediction in zip(keys, candidates):
+                measured, predicted = min(cache[key]), prediction.step_time * 1e3
                 rows.append((prediction.layout, predicted, measured))
                 tables[width].append(f"| {world} | {prediction.layout} | {predicted:.1f} | {measured:.1f} | "
                                      f"{(predicted - measured) / measured:+.0%} |")
