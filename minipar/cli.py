@@ -290,9 +290,7 @@ def choose_layout(args: argparse.Namespace, world: Communicator,
         pick = int(np.argmin(times))
         layouts, choice, measured = [layouts[pick]], [choice[pick]], times[pick]
     layout, choice = layouts[0], choice[0]
-    for name in sorted(AUTO_CHOOSES - {"shard_group"}) + ["recompute"]:  # the layout's choices become the arguments
-        setattr(args, name, getattr(layout, name))
-    args.shard_group = layout.shard_group or None
+    take_layout(args, layout)
     if measured is not None:
         ranked_as = "the planner's first choice too" if layout == predicted_first else f"predicted first: {predicted_first}"
         say(f"auto: {layout}, the measured best of {len(times)} checked ({measured:.1f} ms/step measured, "
@@ -303,20 +301,25 @@ def choose_layout(args: argparse.Namespace, world: Communicator,
             f"{choice['memory_gb']:.3f} GB per rank ({profile.name})", flush=True)
 
 
+def take_layout(args: argparse.Namespace, layout: Layout) -> None:
+    """The layout's choices become the arguments (what --auto decides, and the recomputation)."""
+    for name in sorted(AUTO_CHOOSES - {"shard_group"}) + ["recompute"]:
+        setattr(args, name, getattr(layout, name))
+    args.shard_group = layout.shard_group or None
+
+
 def layout_arguments(args: argparse.Namespace, layout: Layout, steps: int) -> argparse.Namespace:
     """``args`` for a trial of ``layout`` (--auto --check): its layout flags, ``steps`` steps, nothing saved, evaluated,
     traced or printed — the run itself, shortened."""
     trial = argparse.Namespace(**vars(args))
-    for name in sorted(AUTO_CHOOSES - {"shard_group"}) + ["recompute"]:
-        setattr(trial, name, getattr(layout, name))
-    trial.shard_group = layout.shard_group or None
+    take_layout(trial, layout)
     trial.auto, trial.check, trial.steps, trial.decay_steps, trial.warmup = False, 0, steps, None, None
     trial.save = trial.local_save = trial.out = trial.trace = trial.log_file = None
     trial.local_save_interval = trial.save_interval = trial.eval_interval = 0
     trial.peak_memory = False
-    trial.explicit = getattr(args, "explicit", set()) - {"auto", "check", "check_steps", "profile", "steps", "decay_steps", "warmup",
-                                      "save", "save_interval", "local_save", "local_save_interval", "sync_save",
-                                      "keep_last", "out", "trace", "log_file", "eval_interval"}
+    trial.explicit = getattr(args, "explicit", set()) - {
+        "auto", "check", "check_steps", "profile", "steps", "decay_steps", "warmup", "save", "save_interval",
+        "local_save", "local_save_interval", "sync_save", "keep_last", "out", "trace", "log_file", "eval_interval"}
     return trial
 
 
