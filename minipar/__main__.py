@@ -106,10 +106,11 @@ def plan_command(args: argparse.Namespace) -> None:
     from minipar.comm import Communicator
     from minipar.models import config_from_dict
     from minipar.parallel import planner
+    from minipar.parallel.calibration import calibrate
 
     if args.calibrate:
         comm = Communicator()
-        profile = planner.calibrate(comm)
+        profile = calibrate(comm)
         if comm.rank == 0:
             path = planner.save_calibration(profile, comm.size, args.profile)
             link = (f", α = {profile.intra.alpha * 1e6:.1f} µs, 1/β = {1 / max(profile.intra.beta, 1e-30) / 1e9:.2f} GB/s"

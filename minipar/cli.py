@@ -30,6 +30,7 @@ from minipar.models.deepseek import DeepSeekConfig
 from minipar.models.llama import LlamaConfig
 from minipar.models.qwen3 import Qwen3Config
 from minipar.parallel import planner
+from minipar.parallel.calibration import calibrate
 from minipar.parallel.compression import COMPRESSIONS
 from minipar.parallel.context_parallel import KINDS as CP_KINDS
 from minipar.parallel.context_parallel import SPLITS as CP_SPLITS
@@ -255,7 +256,7 @@ def choose_layout(args: argparse.Namespace, world: Communicator,
     except FileNotFoundError:
         if args.profile:
             raise
-        profile = planner.calibrate(world)  # every rank measures; rank 0's numbers decide
+        profile = calibrate(world)  # every rank measures; rank 0's numbers decide
         if world.rank == 0:
             path = planner.save_calibration(profile, world.size)
             if not args.json:

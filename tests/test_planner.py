@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from minipar.models.gpt import GPTConfig
-from minipar.parallel import planner, validation
+from minipar.parallel import calibration, planner, validation
 from minipar.testing import run_command
 
 CFG = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=64)
@@ -235,7 +235,7 @@ def test_calibrated_terms_match_direct_timings():
     from minipar.nn import LayerNorm
     from minipar.optim import AdamW
 
-    profile = planner.calibrate(Communicator())
+    profile = calibration.calibrate(Communicator())
 
     def timed(fn, calls=5):  # the fastest of three rounds, as the calibration keeps its fastest window
         fn()
@@ -248,7 +248,7 @@ def test_calibrated_terms_match_direct_timings():
         return min(rounds)
 
     C, T, b, H = 64, 128, 4, 4
-    assert (C, T, b, H) not in planner.PROBE_SHAPES
+    assert (C, T, b, H) not in calibration.PROBE_SHAPES
     idx = np.random.default_rng(0).integers(0, 256, (b, T))
     layer_times = []
     for layers in (1, 3):
@@ -292,13 +292,13 @@ def test_the_layer_fit_recovers_known_costs():
                               gemm_flops_by_rows={"16": 2e10, "256": 8e10, "4096": 1e11})
     for per_layer_fixed in (3e-4, 0.0):
         probes = []
-        for C, T, b, H in planner.PROBE_SHAPES:
+        for C, T, b, H in calibration.PROBE_SHAPES:
             t, per_pass = b * T, 4 / 2e10
             layer = ((2 * t * 12 * C * C + 4 * b * T * T * C) * 3 / profile.gemm_flops(t)
                      + (180 * t * C + 30 * b * H * T * T) * per_pass + per_layer_fixed)
             head = 6 * t * C * 256 / profile.gemm_flops(t) + 5 * t * 256 * per_pass + 2e-3
             probes.append((C, T, b, H, head + layer, head + 3 * layer))
-        fitted = planner.fit_layer_costs(probes, profile)
+        fitted = calibration.fit_layer_costs(probes, profile)
         expected = {"passes_act": 180, "passes_att": 30, "op_overhead": per_layer_fixed, "passes_logits": 5,
                     "microbatch_overhead": 2e-3}
         assert fitted.keys() == expected.keys()

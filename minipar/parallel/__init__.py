@@ -12,5 +12,6 @@
     mesh               the (pp, dp, cp, tp) rank grid and its sub-communicators
     compression        fp16/bf16/int8/top-k/PowerSGD gradient compression
     local_sgd          local SGD and DiLoCo
-    planner            the cost model and the search over layouts; validation: published runs it is checked on
+    planner            the cost model and the search over layouts; validation: published runs it is checked on;
+                       calibration: this machine measured for it
 """
