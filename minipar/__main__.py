@@ -190,12 +190,11 @@ def check_predictions(predictions: list[Any], model_flags: list[str], args: argp
     predicted step time beside the measured one (planner.steady_step_ms), with the error; the measured best
     last. One run at a time: each has the machine."""
     from minipar.parallel.layout import Layout
-    from minipar.parallel.planner import shortlist, steady_step_ms
+    from minipar.parallel.planner import check_steps_accepted, shortlist, steady_step_ms
     from minipar.testing import train_cli
 
     chosen = shortlist(predictions, args.check, Layout(dp=args.world))
-    if args.check_steps < 4:
-        raise ValueError(f"--check-steps must be >= 4 (the first half are warm-up), got {args.check_steps}")
+    check_steps_accepted(args.check_steps)
     print(f"{'layout':<44}{'predicted ms':>13}{'measured ms':>13}{'error':>8}", flush=True)
     measured = []
     for prediction in chosen:

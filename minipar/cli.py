@@ -249,8 +249,8 @@ def choose_layout(args: argparse.Namespace, world: Communicator,
     given = sorted(AUTO_CHOOSES & getattr(args, "explicit", set()))
     if given:
         raise ValueError(f"--auto chooses the layout itself: drop --{given[0].replace('_', '-')}")
-    if args.check and args.check_steps < 4:
-        raise ValueError(f"--check-steps must be >= 4 (the first half are warm-up), got {args.check_steps}")
+    if args.check:
+        planner.check_steps_accepted(args.check_steps)
     try:
         profile = planner.load_profile(args.profile, world.size)
     except FileNotFoundError:
@@ -276,7 +276,7 @@ def choose_layout(args: argparse.Namespace, world: Communicator,
     choice = json.loads(world.all_gather_bytes(json.dumps(choice).encode(), label="plan")[0])
     layouts = [Layout(**{f.name: c[f.name] for f in dataclasses.fields(Layout)}) for c in choice]
     say = print if world.rank == 0 and not args.json else lambda *a, **k: None
-    measured, predicted_first = None, layouts[0]
+    pick = 0
     if args.check:
         assert trial is not None, "--check needs a trial runner"
         say(f"auto: checking the {len(layouts)} best predicted of {choice[0]['candidates']} layouts, "
@@ -289,17 +289,16 @@ def choose_layout(args: argparse.Namespace, world: Communicator,
                 f"({(predicted['step_ms'] - times[-1]) / times[-1]:+.0%})", flush=True)
         times = world.broadcast(np.array(times), root=0, label="plan").tolist()  # rank 0's clock decides
         pick = int(np.argmin(times))
-        layouts, choice, measured = [layouts[pick]], [choice[pick]], times[pick]
-    layout, choice = layouts[0], choice[0]
+    layout, chosen = layouts[pick], choice[pick]
     take_layout(args, layout)
-    if measured is not None:
-        ranked_as = "the planner's first choice too" if layout == predicted_first else f"predicted first: {predicted_first}"
-        say(f"auto: {layout}, the measured best of {len(times)} checked ({measured:.1f} ms/step measured, "
-            f"{choice['step_ms']:.1f} predicted; {ranked_as}), {choice['memory_gb']:.3f} GB per rank ({profile.name})",
+    if args.check:
+        ranked_as = "the planner's first choice too" if pick == 0 else f"predicted first: {layouts[0]}"
+        say(f"auto: {layout}, the measured best of {len(times)} checked ({times[pick]:.1f} ms/step measured, "
+            f"{chosen['step_ms']:.1f} predicted; {ranked_as}), {chosen['memory_gb']:.3f} GB per rank ({profile.name})",
             flush=True)
     else:
-        say(f"auto: {layout} of {choice['candidates']} layouts, predicted {choice['step_ms']:.1f} ms/step, "
-            f"{choice['memory_gb']:.3f} GB per rank ({profile.name})", flush=True)
+        say(f"auto: {layout} of {chosen['candidates']} layouts, predicted {chosen['step_ms']:.1f} ms/step, "
+            f"{chosen['memory_gb']:.3f} GB per rank ({profile.name})", flush=True)
 
 
 def take_layout(args: argparse.Namespace, layout: Layout) -> None:

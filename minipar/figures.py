@@ -103,7 +103,6 @@ def draw_schedule(schedule: Schedule, path: str, span: float | None = None) -> N
     ax.set_title(f"{schedule.name}: p={schedule.p}, m={schedule.m}{chunks} — bubble {schedule.bubble():.1%} "
                  "(shaded; F blue, B red, W purple; ' = a rank's second chunk)", fontsize=9)
     save_figure(figure, path)
-    plt.close(figure)
 
 
 # ------------------------------------------------------------------------------------------- ring collectives
@@ -197,7 +196,6 @@ def draw_ring(p: int, phase: str, path: str) -> None:
     figure.suptitle(f"ring {phase}, p = {p}: chunk c of each rank's buffer; Σ{{…}}: the ranks whose values it carries",
                     fontsize=9)
     save_figure(figure, path)
-    plt.close(figure)
 
 
 # ------------------------------------------------------------------------------------------- ZeRO
@@ -225,7 +223,6 @@ def draw_zero(path: str, psi: float = 7.5e9, n: int = 64, itemsize: int = 2) -> 
     ax.set_title(f"{what}; Ψ = {f'{psi / 1e9:g}B' if psi >= 1e9 else f'{psi:,.0f}'} parameters, N = {n} ranks",
                  fontsize=8)
     save_figure(figure, path)
-    plt.close(figure)
 
 
 # ------------------------------------------------------------------------------------------- the mesh
@@ -294,7 +291,6 @@ def draw_mesh(path: str, layout: Layout | None = None, n_layer: int = 4, n_head:
                  f"{2 * layout.cp if layout.cp_split == 'zigzag' else layout.cp} {layout.cp_split} chunks; "
                  "colour: the expert-parallel rank", fontsize=8)
     save_figure(figure, path)
-    plt.close(figure)
 
 
 # ------------------------------------------------------------------------------------------- the planner
@@ -327,13 +323,17 @@ def draw_planner(path: str) -> None:
     errors = np.abs(predicted / published - 1)
     ax.set_title(f"{len(runs)} published runs: max error {errors.max():.1%}, mean {errors.mean():.1%}", fontsize=9)
     save_figure(figure, path)
-    plt.close(figure)
 
 
 # ------------------------------------------------------------------------------------------- measured runs
 
+def config_flags(fields: dict[str, Any]) -> list[str]:
+    """train's flags for config fields: {"n_layer": 4} -> ["--n-layer", "4"]."""
+    return [flag for name, value in fields.items() for flag in (f"--{name.replace('_', '-')}", str(value))]
+
+
 TINY_MODEL = {"n_layer": 4, "n_head": 2, "n_embd": 32, "vocab_size": 256}  # the embedded corpus' bytes
-TINY = [*(f for k, v in TINY_MODEL.items() if k != "vocab_size" for f in (f"--{k.replace('_', '-')}", str(v))),
+TINY = [*config_flags({k: v for k, v in TINY_MODEL.items() if k != "vocab_size"}),
         "--block-size", "32", "--batch-size", "8", "--eval-interval", "0", "--warmup", "2", "--seed", "0"]
 
 
@@ -387,7 +387,6 @@ def draw_trace_vs_plan(path: str, names: tuple[str, ...] = ("1f1b", "zb-h1")) ->
             ax.set_title(f"{schedule.name}, p={schedule.p}, m={schedule.m}: {unit}", fontsize=8)
     figure.tight_layout()
     save_figure(figure, path)
-    plt.close(figure)
 
 
 PRECISIONS = (("float32", []), ("bf16 mixed", ["--precision", "bf16-mixed"]),
@@ -416,7 +415,6 @@ def draw_precision(path: str) -> None:
     bottom.set_ylabel("loss − float32's")
     bottom.set_xlabel("step")
     save_figure(figure, path)
-    plt.close(figure)
 
 
 BALANCING = (("no balancing", ["--aux-loss-coef", "0"]), ("auxiliary loss 0.01", ["--aux-loss-coef", "0.01"]),
@@ -444,7 +442,6 @@ def draw_expert_load(path: str) -> None:
     ax.legend(fontsize=8)
     ax.set_title("expert load, 8 experts, top-2, dropless (1.0: perfectly balanced)", fontsize=9)
     save_figure(figure, path)
-    plt.close(figure)
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -479,18 +476,16 @@ def draw_activation_memory(path: str, lengths: tuple[int, ...] = (32, 64, 128, 2
     ax.legend(fontsize=7)
     ax.set_title(f"one process, GPT L=4 C=32 H=2, batch {batch}, float32: train --peak-memory", fontsize=9)
     save_figure(figure, path)
-    plt.close(figure)
 
 
-AXIS_RUNS = (  # (label, train flags, the layout they run, the axis, the step record's labels of its exchanges)
-    ("dp 2", ["--dp", "2"], Layout(dp=2), "dp", ("grads", "params")),
-    ("dp 2, ZeRO-3", ["--dp", "2", "--zero", "3"], Layout(dp=2, zero=3), "dp", ("grads", "params")),
-    ("tp 2", ["--tp", "2"], Layout(tp=2), "tp", ("tp_forward", "tp_backward")),
-    ("tp 2 + sp", ["--tp", "2", "--sp"], Layout(tp=2, sp=True), "tp", ("sp_forward", "sp_backward")),
-    ("cp 2, ring", ["--cp", "2"], Layout(cp=2), "cp", ("cp_forward", "cp_backward")),
-    ("cp 2, Ulysses", ["--cp", "2", "--cp-kind", "ulysses"], Layout(cp=2, cp_kind="ulysses"), "cp",
-     ("cp_forward", "cp_backward")),
-    ("ep 2 (dp 2)", ["--dp", "2", "--ep", "2"], Layout(dp=2, ep=2), "ep", ("ep_counts", "ep_forward", "ep_backward")),
+AXIS_RUNS = (  # (label, the layout trained (its flags: Layout.flags), the axis, the step record's labels of its exchanges)
+    ("dp 2", Layout(dp=2), "dp", ("grads", "params")),
+    ("dp 2, ZeRO-3", Layout(dp=2, zero=3), "dp", ("grads", "params")),
+    ("tp 2", Layout(tp=2), "tp", ("tp_forward", "tp_backward")),
+    ("tp 2 + sp", Layout(tp=2, sp=True), "tp", ("sp_forward", "sp_backward")),
+    ("cp 2, ring", Layout(cp=2), "cp", ("cp_forward", "cp_backward")),
+    ("cp 2, Ulysses", Layout(cp=2, cp_kind="ulysses"), "cp", ("cp_forward", "cp_backward")),
+    ("ep 2 (dp 2)", Layout(dp=2, ep=2), "ep", ("ep_counts", "ep_forward", "ep_backward")),
 )
 MOE = {"n_expert": 4, "expert_top_k": 2, "capacity_factor": 0.0}  # the ep run's MLPs: 4 experts, top-2, dropless
 
@@ -504,10 +499,10 @@ def communication_per_layer() -> list[tuple[str, float, float]]:
     from minipar.parallel.planner import communication_bytes
 
     rows = []
-    for label, flags, layout, axis, ops in AXIS_RUNS:
+    for label, layout, axis, ops in AXIS_RUNS:
         moe = MOE if axis == "ep" else {}
-        extra = [f for k, v in moe.items() for f in (f"--{k.replace('_', '-')}", str(v))]
-        record = [r for r in train_records([*TINY, *extra, *flags, "--steps", "2"], 2) if "loss" in r][-1]
+        flags = [*TINY, *config_flags(moe), *layout.flags(), "--steps", "2"]
+        record = [r for r in train_records(flags, 2) if "loss" in r][-1]
         measured = sum(record["comm_bytes_by_op"].get(op, 0) for op in ops)
         cfg = GPTConfig(block_size=32, **TINY_MODEL, **moe)
         closed = communication_bytes(cfg, 8, layout, itemsize=4)[axis]
@@ -531,7 +526,6 @@ def draw_communication(path: str) -> None:
     ax.set_title("communication per layer: GPT L=4 C=32, batch 8 × T 32, float32, 2 ranks", fontsize=9)
     ax.margins(x=0.2)
     save_figure(figure, path)
-    plt.close(figure)
 
 
 COMPRESSION_RUNS = (("synchronous DP", []), ("bf16 wire", ["--compression", "bf16"]),
@@ -565,7 +559,6 @@ def draw_compression(path: str) -> None:
     by_bytes.legend(fontsize=7)
     figure.suptitle("gradient compression and local SGD: 2 data-parallel ranks, GPT L=4 C=32, batch 8 × T 32", fontsize=9)
     save_figure(figure, path)
-    plt.close(figure)
 
 
 def draw_bars(path: str, values: dict[str, float], xlabel: str, title: str) -> None:
@@ -582,7 +575,6 @@ def draw_bars(path: str, values: dict[str, float], xlabel: str, title: str) -> N
     ax.set_xlabel(xlabel)
     ax.set_title(title, fontsize=9)
     save_figure(figure, path)
-    plt.close(figure)
 
 
 # ------------------------------------------------------------------------------------------- all of them

@@ -35,12 +35,14 @@ def pyplot() -> Any:
 
 
 def save_figure(figure: Any, path: str) -> None:
-    """Render to memory, then write atomically (a reader never sees half a PNG)."""
+    """Render to memory, write atomically (a reader never sees half a PNG), and close the figure (pyplot keeps every
+    open one alive)."""
     import io
 
     buffer = io.BytesIO()
     figure.savefig(buffer, format=os.path.splitext(path)[1][1:] or "png", dpi=120, bbox_inches="tight")
     atomic_write(path, [buffer.getvalue()])
+    pyplot().close(figure)
 
 
 # ------------------------------------------------------------------------------------- timelines
@@ -98,7 +100,6 @@ def timeline_png(events: list[dict[str, Any]], path: str) -> None:
     axes.set_title("per-rank timeline (gaps: idle)")
     axes.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25 if len(ranks) < 4 else -0.12), ncol=len(CATEGORIES))
     save_figure(figure, path)
-    plt.close(figure)
 
 
 # ----------------------------------------------------------------------------------- loss curves
@@ -174,4 +175,3 @@ def loss_png(runs: dict[str, dict[str, list[tuple[int, float]]]], path: str) -> 
     axes.grid(alpha=0.3)
     axes.legend()
     save_figure(figure, path)
-    plt.close(figure)

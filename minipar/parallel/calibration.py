@@ -56,7 +56,7 @@ def calibrate(comm: Any, memory_bytes: float | None = None) -> Profile:
         comm.barrier()
         gemm[str(rows)] = 2 * rows * 256 * 1024 / slowest(_sustained(lambda: a @ w))
     comm.barrier()
-    bandwidth = slowest_of(comm, _multiply_seconds_per_byte()) ** -1
+    bandwidth = 1 / slowest(_multiply_seconds_per_byte())
     probes = []
     for C, T, b, H in PROBE_SHAPES:
         timings = []
@@ -199,7 +199,7 @@ def _nonnegative_least_squares(rows: list[list[float]], values: list[float]) -> 
 
 
 def _model_probe(C: int, T: int, b: int, H: int, layers: int) -> float:
-    """Seconds of one forward + backward of minipar's GPT (float32, vocabulary 256): the median of a few."""
+    """Seconds of one forward + backward of minipar's GPT (float32, vocabulary 256), sustained (:func:`_sustained`)."""
     from minipar.models.gpt import GPT, GPTConfig
 
     model = GPT(GPTConfig(vocab_size=256, block_size=T, n_layer=layers, n_head=H, n_embd=C), seed=0)

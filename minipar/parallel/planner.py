@@ -541,6 +541,12 @@ def steady_step_ms(records: list[dict[str, Any]]) -> float:
     return float(np.median(ms[len(ms) // 2:]))
 
 
+def check_steps_accepted(steps: int) -> None:
+    """``--check-steps`` of plan and train: enough for :func:`steady_step_ms` to time two steps after the warm-up."""
+    if steps < 4:
+        raise ValueError(f"--check-steps must be >= 4 (the first half are warm-up), got {steps}")
+
+
 def shortlist(predictions: list[Prediction], k: int, plain: Layout) -> list[Prediction]:
     """The ``k`` best feasible predictions, and the ``plain`` layout (data parallelism alone) after them if it is not
     among them: what ``plan --check`` and ``train --auto --check`` measure."""
